@@ -1,0 +1,28 @@
+# Two commands set everything up on a fresh machine:  make test  /  make demo
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# No CUDA here: take the pinned CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
+TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
+
+.PHONY: install test test-fast demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
+	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[kernels,pipelines,dev]"
+	touch $(STAMP)
+
+test: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+test-fast: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -x -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

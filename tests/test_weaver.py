@@ -1,0 +1,130 @@
+"""Weaver: ancestor-only attention, residual scoring over K candidates, training forward, artifact round trip."""
+import pytest
+import torch
+
+from tfm_runtime.models.weaver import Weaver, WeaverConfig
+
+D, V, L, K = 48, 120, 6, 10
+
+
+@pytest.fixture()
+def setup():
+    torch.manual_seed(0)
+    w = Weaver(WeaverConfig(d_model=D, d_embed=D, d_rank=32, num_layers=2, num_heads=4, mlp_dim=64, lookahead=L,
+                            candidate_pool=K)).double().eval()
+    g = torch.Generator().manual_seed(1)
+    E, W = torch.randn(V, D, generator=g).double(), torch.randn(V, D, generator=g).double()
+    h, u = torch.randn(1, D, generator=g).double(), torch.randn(1, L, D, generator=g).double()
+    cl = torch.randn(1, L, V, generator=g).double()
+    cand_logits, cand_ids = cl.topk(K, dim=-1)
+    return w, E, W, h, u, cand_ids, cand_logits, cl
+
+
+def grow_tree(w, E, h, u, tokens, parents, depths):
+    """Run node steps one node at a time (each node's visible set = its strict ancestors)."""
+    st = w.prefix(h, u)
+    outs = []
+    for i in range(len(tokens)):
+        vis = torch.zeros(1, 1, i, dtype=torch.bool)
+        p = parents[i]
+        while p >= 0:
+            vis[0, 0, p] = True
+            p = parents[p]
+        outs.append(w.step(st, torch.tensor([[tokens[i]]]), torch.tensor([[depths[i]]]), vis, E)[0, 0])
+    return torch.stack(outs)
+
+
+def test_non_ancestor_perturbation_does_not_change_node(setup):
+    w, E, W, h, u, *_ = setup
+    #        0
+    #      1   2
+    #     3 4   5
+    parents, depths = [-1, 0, 0, 1, 1, 2], [0, 1, 1, 2, 2, 2]
+    tokens = [3, 10, 11, 20, 21, 22]
+    base = grow_tree(w, E, h, u, tokens, parents, depths)
+    # perturb node 2 (not an ancestor of 1, 3, 4): those outputs are unchanged, 2 and its child 5 change
+    t2 = list(tokens)
+    t2[2] = 99
+    pert = grow_tree(w, E, h, u, t2, parents, depths)
+    for i in (0, 1, 3, 4):
+        torch.testing.assert_close(pert[i], base[i], rtol=0, atol=0)
+    for i in (2, 5):
+        assert not torch.allclose(pert[i], base[i])
+    # perturb node 1 (an ancestor of 3 and 4): they change
+    t3 = list(tokens)
+    t3[1] = 98
+    pert = grow_tree(w, E, h, u, t3, parents, depths)
+    assert not torch.allclose(pert[3], base[3]) and not torch.allclose(pert[4], base[4])
+    torch.testing.assert_close(pert[5], base[5], rtol=0, atol=0)
+
+
+def test_batched_step_equals_one_at_a_time(setup):
+    w, E, W, h, u, *_ = setup
+    parents, depths, tokens = [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2], [3, 10, 11, 20, 21]
+    single = grow_tree(w, E, h, u, tokens, parents, depths)
+    st = w.prefix(h, u)
+    r0 = w.step(st, torch.tensor([[3]]), torch.tensor([[0]]), torch.zeros(1, 1, 0, dtype=torch.bool), E)
+    r1 = w.step(st, torch.tensor([[10, 11]]), torch.tensor([[1, 1]]), torch.ones(1, 2, 1, dtype=torch.bool), E)
+    vis = torch.tensor([[[True, True, False], [True, False, True]]])
+    r2 = w.step(st, torch.tensor([[20, 21]]), torch.tensor([[2, 2]]), vis, E)
+    torch.testing.assert_close(torch.cat([r0[0], r1[0], r2[0]]), single, rtol=1e-12, atol=1e-12)
+
+
+def test_zero_residual_equals_dflash_topk_softmax(setup):
+    w, E, W, h, u, cand_ids, cand_logits, full = setup
+    torch.nn.init.zeros_(w.lm_head_query_in.weight)
+    chain = torch.cat([torch.tensor([[3]]), cand_ids[:, :-1, 0]], dim=1)
+    lq = w.forward_chain(h, u, chain, cand_ids, cand_logits, E, W)
+    p = torch.softmax(full, -1)                                           # DFlash softmax over the vocab
+    restricted = p.gather(-1, cand_ids) / p.gather(-1, cand_ids).sum(-1, keepdim=True)
+    torch.testing.assert_close(lq.exp(), restricted, rtol=1e-12, atol=1e-12)
+
+
+def test_residual_reads_only_candidate_rows(setup):
+    w, E, W, h, u, cand_ids, cand_logits, _ = setup
+    hn = torch.randn(1, L, 32).double()
+    W2 = W.clone()
+    mask = torch.ones(V, dtype=torch.bool)
+    mask[cand_ids.flatten()] = False
+    W2[mask] = float("nan")                          # rows outside the candidates must never be read
+    a = w.score(hn, cand_ids, cand_logits, W)
+    torch.testing.assert_close(w.score(hn, cand_ids, cand_logits, W2), a, rtol=0, atol=0)
+    expected = cand_logits + (W[cand_ids] @ (w.lm_head_query_in.weight @ hn[..., None]))[..., 0]
+    torch.testing.assert_close(a, torch.log_softmax(expected, -1), rtol=1e-12, atol=1e-12)
+
+
+def test_training_forward_equals_chain_of_node_steps(setup):
+    w, E, W, h, u, cand_ids, cand_logits, _ = setup
+    chain = [3] + cand_ids[0, :-1, 1].tolist()
+    nodes = grow_tree(w, E, h, u, chain, list(range(-1, L - 1)), list(range(L)))
+    expected = w.score(nodes[None], cand_ids, cand_logits, W)
+    got = w.forward_chain(h, u, torch.tensor([chain]), cand_ids, cand_logits, E, W)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    got.sum().backward()                             # differentiable end to end
+    assert w.token_in.weight.grad is not None and w.proposal_in.weight.grad.abs().sum() > 0
+
+
+def test_save_load_round_trip(setup, tmp_path):
+    w, E, W, h, u, cand_ids, cand_logits, _ = setup
+    chain = torch.tensor([[3] + cand_ids[0, :-1, 0].tolist()])
+    a = w.forward_chain(h, u, chain, cand_ids, cand_logits, E, W)
+    w.save_pretrained(str(tmp_path / "weaver"))
+    w2 = Weaver.from_pretrained(str(tmp_path / "weaver"), dtype=torch.float64)
+    assert w2.cfg == w.cfg
+    torch.testing.assert_close(w2.forward_chain(h, u, chain, cand_ids, cand_logits, E, W), a, rtol=0, atol=0)
+
+
+def test_qwen36_27b_preset_parameter_count():
+    with torch.device("meta"):
+        w = Weaver(WeaverConfig.qwen36_27b())
+    n = w.num_parameters()
+    print(f"Weaver Qwen3.6-27B preset: {n / 1e6:.2f}M parameters (published: 56.7M)")
+    assert abs(n - 56.7e6) / 56.7e6 < 0.01
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="num_heads"):
+        WeaverConfig(d_model=8, d_embed=8, d_rank=30, num_layers=1, num_heads=4, mlp_dim=8, lookahead=3,
+                     candidate_pool=4)
+    with pytest.raises(ValueError, match="not a Weaver config"):
+        WeaverConfig.from_dict({"architecture": "Other"})

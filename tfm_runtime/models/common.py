@@ -1,0 +1,96 @@
+"""Small building blocks shared by the drafter models: RMSNorm, rotary embedding, SwiGLU, safetensors I/O."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight (+ bias). Computed in fp32, returned in the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xf = x.float() if dt in (torch.float16, torch.bfloat16) else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(dt)
+        return y + self.bias if self.bias is not None else y
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype):
+    """positions [...] (long) -> cos, sin [..., head_dim] (the half-split "rotate_half" convention)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
+    ang = positions.to(torch.float64)[..., None] * inv_freq                  # [..., head_dim/2]
+    ang = torch.cat([ang, ang], dim=-1)                                      # [..., head_dim]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D] or [T, D]."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, None], sin[:, None]                                     # [B, 1, T, D]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def save_safetensors_dir(path: str, config: dict, state_dict: dict[str, torch.Tensor]) -> None:
+    """Write config.json + model.safetensors atomically (each file via temp + rename)."""
+    from safetensors.torch import save_file
+
+    from tfm_runtime.io import atomic_path, atomic_write_json
+    os.makedirs(path, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    with atomic_path(os.path.join(path, "model.safetensors")) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    atomic_write_json(os.path.join(path, "config.json"), config)
+
+
+def load_safetensors_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read config.json + every *.safetensors file of a folder (never pickle)."""
+    from safetensors.torch import load_file
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"expected {cfg_path} (a model folder with config.json + *.safetensors)")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path} (pickle checkpoints are not loaded)")
+    state: dict[str, torch.Tensor] = {}
+    for fn in files:
+        state.update(load_file(os.path.join(path, fn)))
+    return config, state
+
+
+def load_strict(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """load_state_dict(strict=True) with an error that lists missing / unexpected / mis-shaped keys."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k}: expected {tuple(own[k].shape)}, got {tuple(state[k].shape)}"
+              for k in own if k in state and own[k].shape != state[k].shape]
+    if missing or unexpected or shapes:
+        raise ValueError(f"{what}: weights do not match the config. missing={missing[:8]} "
+                         f"unexpected={unexpected[:8]} shape mismatches={shapes[:8]}")
+    module.load_state_dict(state, strict=True)

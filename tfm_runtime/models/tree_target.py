@@ -1,0 +1,95 @@
+"""Verify a whole proposal tree in one target pass over a Hugging Face KV cache, then commit the accepted path.
+
+Full-attention layers: the tree's keys/values are appended to the cache and masked to "committed prefix +
+ancestor-or-self" (positions = committed length + depth); the commit keeps the accepted nodes' K/V only.
+Gated DeltaNet layers (hybrid targets): the layer's forward is swapped for a tree forward during the pass: the
+short conv runs along ancestors and the recurrence starts from the committed state, which is only read; the
+commit then writes the accepted leaf's recurrent state and the last conv inputs of the accepted path.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from tfm_runtime.models.gdn_tree_torch import gdn_tree_layer_forward
+from tfm_runtime.models.target import TargetModel, TargetOutput
+
+
+def _gdn_modules(target: TargetModel) -> dict[int, torch.nn.Module]:
+    out = {}
+    for i, layer in enumerate(target.base.layers):
+        mod = getattr(layer, "linear_attn", None)
+        if mod is not None:
+            out[i] = mod
+    return out
+
+
+class TreeVerifier:
+    """Tree verification and commit for one request (batch 1) against a `TargetModel` and its HF cache.
+
+    `backend`: "torch" (node-by-node reference recurrence) or "triton" (kernels.gdn_tree; CUDA only), or "auto".
+    """
+
+    def __init__(self, target: TargetModel, backend: str = "auto"):
+        self.target = target
+        self.gdn = _gdn_modules(target)
+        if backend == "auto":
+            backend = "triton" if target.device.type == "cuda" and self.gdn else "torch"
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        self.backend = backend
+        self._ctx = None          # set during a tree pass: dict(parents=..., stash={layer: ...})
+        for mod in self.gdn.values():
+            if not hasattr(mod, "_tfm_plain_forward"):
+                mod._tfm_plain_forward = mod.forward
+            mod.forward = types.MethodType(self._make_gdn_forward(), mod)
+
+    def _make_gdn_forward(self):
+        verifier = self
+
+        def forward(mod, hidden_states, cache=None, attention_mask=None, **kwargs):
+            ctx = verifier._ctx
+            if ctx is None:
+                return mod._tfm_plain_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            out, stash = gdn_tree_layer_forward(mod, hidden_states, cache, ctx["parents"], backend=verifier.backend)
+            ctx["stash"][mod.layer_idx] = stash
+            return out
+        return forward
+
+    def verify(self, cache, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+               ancestor_mask: torch.Tensor, start: int) -> TargetOutput:
+        """tokens/parents/depths [N], ancestor_mask [N, N] bool (inclusive), start = committed length.
+
+        Returns the target outputs at every node ([1, N, ...]); the cache now also holds the N tree entries of the
+        attention layers (until `commit`). GDN committed states are untouched.
+        """
+        N = tokens.shape[0]
+        dev, dt = self.target.device, self.target.dtype
+        visible = torch.cat([torch.ones(N, start, dtype=torch.bool, device=dev), ancestor_mask.to(dev)], dim=1)
+        mask = torch.zeros(N, start + N, dtype=dt, device=dev).masked_fill(~visible, torch.finfo(dt).min)
+        mask = mask[None, None]                                                     # [1, 1, N, start+N]
+        if self.target.is_hybrid:
+            mask = {"full_attention": mask, "linear_attention": None}
+        self._ctx = {"parents": parents.to(dev), "stash": {}}
+        try:
+            out = self.target(tokens[None].to(dev), position_ids=(start + depths)[None].to(dev),
+                              attention_mask=mask, past_key_values=cache, use_cache=True)
+        finally:
+            self._stash, self._ctx = self._ctx["stash"], None
+        return out
+
+    def commit(self, cache, start: int, accepted: list[int]) -> None:
+        """Keep the accepted nodes (root first, in path order) as committed positions start..start+len-1."""
+        idx = torch.as_tensor(accepted, dtype=torch.long, device=self.target.device)
+        for i, layer in enumerate(cache.layers):
+            if i in self.gdn:
+                stash = self._stash[i]
+                leaf = accepted[-1]
+                layer.recurrent_states[0].copy_(stash.states[:, leaf].to(layer.recurrent_states[0].dtype))
+                layer.conv_states[0].copy_(stash.conv_window(leaf).to(layer.conv_states[0].dtype))
+            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
+                keep = torch.cat([torch.arange(start, device=idx.device), start + idx])
+                layer.keys = layer.keys.index_select(2, keep)
+                layer.values = layer.values.index_select(2, keep)
+        self._stash = None

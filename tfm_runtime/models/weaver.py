@@ -1,0 +1,196 @@
+"""Weaver: a small autoregressive adapter that re-scores DFlash's top-K candidates along tree paths.
+
+Data flow per draft round (method.md 7.1-7.3, 8.2):
+  prefix  = causal blocks over [proposal_in(output_norm(h_final)), proposal_in(output_norm(u_1..u_L))]   (1+L)
+  node    = token_in(embed_norm(E[token])) at RoPE position depth+1, attends to the prefix, its ancestors, itself
+  score   = DFlash logit_c + (W_lm[c] . lm_head_query_in(out_norm(x)))   for the K candidates c of its depth
+  log q   = log-softmax over the K candidates (never a full-vocabulary projection)
+The target's embedding E [V, d_embed] and LM head W_lm [V, d_model] are passed in, never copied.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tfm_runtime.models.common import (RMSNorm, apply_rope, load_safetensors_dir, load_strict, rope_cos_sin,
+                                       save_safetensors_dir)
+
+
+@dataclass
+class WeaverConfig:
+    d_model: int               # target hidden size (h_final, DFlash hidden, LM-head rows)
+    d_embed: int               # target input-embedding width
+    d_rank: int                # Weaver width r
+    num_layers: int
+    num_heads: int
+    mlp_dim: int
+    lookahead: int             # L: DFlash depths scored (block_size - 1)
+    candidate_pool: int        # K: DFlash top-K candidates per depth
+    rope_base: float = 1e4
+    rms_eps: float = 1e-6
+    architecture: str = "Weaver"
+
+    def __post_init__(self):
+        if self.d_rank % self.num_heads or (self.d_rank // self.num_heads) % 2:
+            raise ValueError(f"d_rank={self.d_rank} must split into num_heads={self.num_heads} even-sized heads")
+
+    @classmethod
+    def qwen36_27b(cls) -> "WeaverConfig":
+        """Sizes for Qwen3.6-27B (hidden 5120, DFlash block 16, top-512): ~56.6M parameters (published: 56.7M)."""
+        return cls(d_model=5120, d_embed=5120, d_rank=1024, num_layers=3, num_heads=8, mlp_dim=3072,
+                   lookahead=15, candidate_pool=512)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WeaverConfig":
+        if d.get("architecture", "Weaver") != "Weaver":
+            raise ValueError(f"not a Weaver config: architecture={d.get('architecture')!r}")
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+class WeaverBlock(nn.Module):
+    def __init__(self, cfg: WeaverConfig):
+        super().__init__()
+        r, self.nh = cfg.d_rank, cfg.num_heads
+        self.attn_norm = RMSNorm(r, cfg.rms_eps)
+        self.qkv_proj = nn.Linear(r, 3 * r, bias=False)
+        self.o_proj = nn.Linear(r, r, bias=False)
+        self.mlp_norm = RMSNorm(r, cfg.rms_eps)
+        self.gate_up_proj = nn.Linear(r, 2 * cfg.mlp_dim)
+        self.down_proj = nn.Linear(cfg.mlp_dim, r)
+
+    def qkv(self, x, cos, sin):
+        """x [B, T, r] -> q, k, v [B, nh, T, hd] (q, k rotated)."""
+        B, T, r = x.shape
+        q, k, v = self.qkv_proj(self.attn_norm(x)).view(B, T, 3, self.nh, r // self.nh).permute(2, 0, 3, 1, 4)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, x, q, k, v, mask):
+        """Attention of q over (k, v) with boolean mask [B, 1, T, S], then the MLP; residual adds."""
+        B, _, T, hd = q.shape
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * hd))
+        gate, up = self.gate_up_proj(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class WeaverState:
+    """Per-round K/V: prefix [B, nh, 1+L, hd] and tree nodes [B, nh, Nt, hd] for each layer."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+        self.k, self.v = k, v
+        self.prefix_len = k[0].shape[2]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.k[0].shape[2] - self.prefix_len
+
+
+class Weaver(nn.Module):
+    def __init__(self, cfg: WeaverConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.output_norm = RMSNorm(cfg.d_model, cfg.rms_eps, bias=True)
+        self.embed_norm = RMSNorm(cfg.d_embed, cfg.rms_eps, bias=True)
+        self.proposal_in = nn.Linear(cfg.d_model, cfg.d_rank)
+        self.token_in = nn.Linear(cfg.d_embed, cfg.d_rank)
+        self.blocks = nn.ModuleList(WeaverBlock(cfg) for _ in range(cfg.num_layers))
+        self.out_norm = RMSNorm(cfg.d_rank, cfg.rms_eps)
+        self.lm_head_query_in = nn.Linear(cfg.d_rank, cfg.d_model, bias=False)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _rope(self, pos: torch.Tensor, dtype):
+        return rope_cos_sin(pos, self.cfg.d_rank // self.cfg.num_heads, self.cfg.rope_base, dtype)
+
+    # ---- inference: prefix once per round, then batched node steps ----------------------------------
+    def prefix(self, h_final: torch.Tensor, u: torch.Tensor) -> WeaverState:
+        """h_final [B, H], u [B, L, H] -> WeaverState holding the causal prefix K/V of every layer."""
+        x = self.proposal_in(self.output_norm(torch.cat([h_final[:, None], u], dim=1)))   # [B, 1+L, r]
+        T = x.shape[1]
+        cos, sin = self._rope(torch.arange(T, device=x.device), x.dtype)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+        ks, vs = [], []
+        for blk in self.blocks:
+            q, k, v = blk.qkv(x, cos, sin)
+            ks.append(k), vs.append(v)
+            x = blk.finish(x, q, k, v, causal)
+        return WeaverState(ks, vs)
+
+    def step(self, state: WeaverState, tokens: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
+             embed_weight: torch.Tensor) -> torch.Tensor:
+        """One batched expansion of W new nodes; their K/V are appended to `state`.
+
+        tokens, depths [B, W]; visible [B, W, Nt] bool: which existing tree nodes are ancestors of each new node
+        (new nodes never see each other, only themselves). Returns h [B, W, r] (after out_norm).
+        """
+        B, W = tokens.shape
+        x = self.token_in(self.embed_norm(F.embedding(tokens, embed_weight)))            # [B, W, r]
+        cos, sin = self._rope(depths + 1, x.dtype)                                        # [B, W, hd]
+        P, Nt = state.prefix_len, state.num_nodes
+        eye = torch.eye(W, dtype=torch.bool, device=x.device).expand(B, W, W)
+        mask = torch.cat([visible.new_ones(B, W, P), visible, eye], dim=-1)[:, None]      # [B, 1, W, P+Nt+W]
+        for i, blk in enumerate(self.blocks):
+            q, k, v = blk.qkv(x, cos, sin)
+            state.k[i] = torch.cat([state.k[i], k], dim=2)
+            state.v[i] = torch.cat([state.v[i], v], dim=2)
+            x = blk.finish(x, q, state.k[i], state.v[i], mask)
+        assert state.num_nodes == Nt + W
+        return self.out_norm(x)
+
+    def score(self, h: torch.Tensor, cand_ids: torch.Tensor, cand_logits: torch.Tensor,
+              lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """h [..., r], cand_ids/cand_logits [..., K] -> log q over the K candidates [..., K] (fp32, or fp64).
+
+        Reads only the K candidate rows of the LM head: residual_c = W_lm[c] . (A h), A = lm_head_query_in.
+        """
+        query = self.lm_head_query_in(h)                                                 # [..., d_model]
+        rows = lm_head_weight[cand_ids]                                                  # [..., K, d_model]
+        residual = (rows @ query.unsqueeze(-1)).squeeze(-1)                              # [..., K]
+        dt = torch.promote_types(residual.dtype, torch.float32)                          # fp32 or fp64
+        return torch.log_softmax(cand_logits.to(dt) + residual.to(dt), dim=-1)
+
+    # ---- training: teacher-forced chains, one pass ---------------------------------------------------
+    def forward_chain(self, h_final: torch.Tensor, u: torch.Tensor, chain_tokens: torch.Tensor,
+                      cand_ids: torch.Tensor, cand_logits: torch.Tensor, embed_weight: torch.Tensor,
+                      lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Batched teacher forcing along the true continuation.
+
+        h_final [B, H]; u [B, L, H]; chain_tokens [B, L] = (root, x_1, ..., x_{L-1}); cand_ids/logits [B, L, K].
+        Node d (token chain_tokens[:, d], depth d) sees the whole prefix and chain nodes 0..d and scores the
+        candidates of depth d+1 (row d). Returns log q [B, L, K].
+        """
+        B, L = chain_tokens.shape
+        p = self.proposal_in(self.output_norm(torch.cat([h_final[:, None], u], dim=1)))  # [B, 1+L, r]
+        n = self.token_in(self.embed_norm(F.embedding(chain_tokens, embed_weight)))      # [B, L, r]
+        x = torch.cat([p, n], dim=1)                                                     # [B, 1+2L, r]
+        dev = x.device
+        pos = torch.cat([torch.arange(L + 1, device=dev), torch.arange(1, L + 1, device=dev)])
+        cos, sin = self._rope(pos, x.dtype)
+        T = 2 * L + 1
+        mask = torch.zeros(T, T, dtype=torch.bool, device=dev)
+        mask[: L + 1, : L + 1] = torch.ones(L + 1, L + 1, dtype=torch.bool, device=dev).tril()
+        mask[L + 1:, : L + 1] = True
+        mask[L + 1:, L + 1:] = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+        for blk in self.blocks:
+            q, k, v = blk.qkv(x, cos, sin)
+            x = blk.finish(x, q, k, v, mask[None, None])
+        h = self.out_norm(x[:, L + 1:])                                                  # [B, L, r]
+        return self.score(h, cand_ids, cand_logits, lm_head_weight)
+
+    # ---- artifact: config.json + model.safetensors ---------------------------------------------------
+    def save_pretrained(self, path: str, extra_config: dict | None = None) -> None:
+        save_safetensors_dir(path, {**self.cfg.to_dict(), **(extra_config or {})}, self.state_dict())
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype | None = None, device=None) -> "Weaver":
+        config, state = load_safetensors_dir(path)
+        model = cls(WeaverConfig.from_dict(config))
+        load_strict(model, state, f"Weaver at {path}")
+        return model.to(device=device, dtype=dtype)

@@ -1,0 +1,93 @@
+"""Deterministic tiny "worlds" (DESIGN.md section 6): a target, a DFlash drafter and a Weaver, built in code.
+
+Random weights, millisecond forwards on a CPU, no download. Families: dense `llama`, `qwen3`; hybrid
+`qwen3_next`, `qwen3_5` (Gated DeltaNet + full attention layers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tfm_runtime.contract import Contract
+from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
+from tfm_runtime.models.target import TargetModel, default_tap_layers
+from tfm_runtime.models.weaver import Weaver, WeaverConfig
+
+FAMILIES = ("llama", "qwen3", "qwen3_next", "qwen3_5")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5")
+
+
+@dataclass
+class World:
+    family: str
+    target: TargetModel
+    drafter: DFlashDrafter
+    weaver: Weaver
+    contract: Contract
+
+
+def tiny_target_config(family: str, vocab_size: int = 256, hidden: int = 64, layers: int = 4):
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama":
+        from transformers import LlamaConfig
+        return LlamaConfig(**common)
+    if family == "qwen3":
+        from transformers import Qwen3Config
+        return Qwen3Config(head_dim=hidden // 4, **common)
+    # hybrids: layer i is full attention when (i+1) % 4 == 0, like the real models; make sure both kinds occur
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    if "full_attention" not in types:
+        types[-1] = "full_attention"
+    gdn = dict(layer_types=types, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=16, linear_conv_kernel_dim=4, head_dim=hidden // 4)
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig
+        return Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
+                               shared_expert_intermediate_size=hidden, **gdn, **common)
+    if family == "qwen3_5":
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+        return Qwen3_5TextConfig(**gdn, **common)
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+def tiny_target(family: str = "llama", *, seed: int = 0, dtype=torch.float32, vocab_size: int = 256,
+                hidden: int = 64, layers: int = 6, tap_layer_ids=None, attn_implementation: str = "sdpa"):
+    """A random-initialised HF causal LM wrapped as TargetModel (deterministic in `seed`)."""
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_target_config(family, vocab_size, hidden, layers)
+    torch.manual_seed(seed)
+    if family == "qwen3_5":
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+        model = Qwen3_5ForCausalLM._from_config(cfg, attn_implementation=attn_implementation)
+    else:
+        extra = {"experts_implementation": "eager"} if family == "qwen3_next" else {}   # grouped_mm has no fp64
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, **extra)
+    model = model.to(dtype).eval()
+    taps = tap_layer_ids if tap_layer_ids is not None else default_tap_layers(layers, 2)
+    return TargetModel(model, taps)
+
+
+def tiny_world(family: str = "llama", *, seed: int = 0, dtype=torch.float32, vocab_size: int = 256,
+               hidden: int = 64, layers: int = 6, block_size: int = 8, candidate_pool: int = 32,
+               drafter_layers: int = 2) -> World:
+    target = tiny_target(family, seed=seed, dtype=dtype, vocab_size=vocab_size, hidden=hidden, layers=layers,
+                         tap_layer_ids=default_tap_layers(layers, drafter_layers))
+    dcfg = DFlashConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=drafter_layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab_size,
+                        num_target_layers=layers, target_layer_ids=list(target.tap_layer_ids),
+                        mask_token_id=vocab_size - 1, block_size=block_size)
+    torch.manual_seed(seed + 1)
+    drafter = DFlashDrafter(dcfg).to(dtype).eval()
+    wcfg = WeaverConfig(d_model=hidden, d_embed=hidden, d_rank=32, num_layers=2, num_heads=2, mlp_dim=64,
+                        lookahead=block_size - 1, candidate_pool=candidate_pool)
+    torch.manual_seed(seed + 2)
+    weaver = Weaver(wcfg).to(dtype).eval()
+    contract = Contract(target_id=f"tiny-{family}-seed{seed}", target_revision=None,
+                        drafter_id=f"tiny-dflash-{family}-seed{seed}", drafter_revision=None,
+                        vocab_size=vocab_size, target_hidden_size=hidden, drafter_hidden_size=hidden,
+                        tap_layer_ids=tuple(target.tap_layer_ids), block_size=block_size,
+                        mask_token_id=dcfg.mask_token_id, candidate_pool=candidate_pool, lookahead=block_size - 1)
+    return World(family, target, drafter, weaver, contract)

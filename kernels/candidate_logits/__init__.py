@@ -1,0 +1,4 @@
+from kernels.candidate_logits.ref import candidate_logits_ref
+from kernels.candidate_logits.triton import candidate_logits
+
+__all__ = ["candidate_logits", "candidate_logits_ref"]

@@ -130,12 +130,20 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def pick_config(B, N, G, Hkv, D, Lmax, device, num_splits=None):
-    """Tile sizes and split count; a function of shapes only (no sync, CUDA-graph safe)."""
+def pick_config(B, N, G, Hkv, D, Lmax, device, num_splits=None, *, itemsize=2, block_m=None, block_n=None,
+                num_warps=None, num_stages=None):
+    """Tile sizes and split count; a function of shapes only (no sync, CUDA-graph safe).
+
+    The keyword-only arguments override the heuristic (for tuning sweeps).
+    """
     rows = N * G
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 64
     block_d = max(16, triton.next_power_of_2(D))
+    # H200 sweep (benchmarks/results/tree_attention_h200.json, "tuning_run"): many packed rows are
+    # compute bound and like 128-row tiles with 3 stages; fewer rows like 64-row tiles and 4 warps.
+    big = rows >= 256 and itemsize <= 2 and block_d <= 256
+    block_m = block_m or (128 if big else 16 if rows <= 16 else 32 if rows <= 32 else 64)
+    # The pipelined K and V tiles must fit in shared memory next to the Q tile.
+    block_n = block_n or (64 if block_d * itemsize <= 256 else 32 if block_d * itemsize <= 1024 else 16)
     base = triton.cdiv(rows, block_m) * B * Hkv
     if num_splits is None:
         sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
@@ -143,9 +151,9 @@ def pick_config(B, N, G, Hkv, D, Lmax, device, num_splits=None):
         num_splits = max(1, min(triton.cdiv(2 * sms, base), triton.cdiv(Lmax, 4 * block_n)))
     chunk = max(block_n, triton.cdiv(triton.cdiv(max(Lmax, 1), num_splits), block_n) * block_n)
     num_splits = max(1, triton.cdiv(Lmax, chunk))
-    warps = 8 if block_m >= 64 and block_d >= 128 else 4
+    warps = num_warps or (8 if block_m >= 128 or (block_m >= 64 and block_d * itemsize >= 1024) else 4)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_splits=num_splits, chunk=chunk,
-                num_warps=warps, num_stages=2)
+                num_warps=warps, num_stages=num_stages or (3 if big else 2))
 
 
 def tree_attention_fwd(q, k_tree, v_tree, k_prefix, v_prefix, prefix_len, anc_bits, num_nodes,
@@ -173,10 +181,10 @@ def tree_attention_fwd(q, k_tree, v_tree, k_prefix, v_prefix, prefix_len, anc_bi
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
-        R = B * N * Hq
+        R, block_s = B * N * Hq, triton.next_power_of_2(S)
         tree_attention_merge_kernel[(R,)](
-            o_k, lse_k, o, lse, S, R, D=D, BLOCK_D=cfg["BLOCK_D"],
-            BLOCK_S=triton.next_power_of_2(S), STORE_LSE=return_lse, num_warps=2,
+            o_k, lse_k, o, lse, S, R, D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=block_s, STORE_LSE=return_lse,
+            num_warps=max(1, min(8, block_s * cfg["BLOCK_D"] // 2048)),
         )
     return (o, lse) if return_lse else o
 
@@ -247,7 +255,7 @@ def tree_attention(
     k_tree, v_tree = _same_layout(k_tree, v_tree)
     k_prefix, v_prefix = _same_layout(k_prefix, v_prefix)
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    cfg = pick_config(B, N, Hq // Hkv, Hkv, D, k_prefix.shape[1], q.device, num_splits)
+    cfg = pick_config(B, N, Hq // Hkv, Hkv, D, k_prefix.shape[1], q.device, num_splits, itemsize=q.element_size())
     return tree_attention_fwd(q, k_tree, v_tree, k_prefix, v_prefix, prefix_len, anc_bits, num_nodes,
                               scale, return_lse, cfg)
 

@@ -1,0 +1,127 @@
+"""Candidate logits vs torch baselines, Qwen3.6-27B LM head (Vocab 248320, hidden 5120), bf16.
+
+Per (M, Kc): rel-RMS error of the logits and max abs error of the logprobs vs float64, median time
+per call (CUDA graph over rotated candidate sets, so rows are not served from L2), and the memory
+floor `(M*Kc*Dm*2 + M*Dm*2) / 4.8 TB/s` (also against the measured copy bandwidth). Baselines:
+`weight[cand]` materialised + bmm + log_softmax, and the full LM head + gather + log_softmax.
+
+    python benchmarks/bench_candidate_logits.py --out benchmarks/results/candidate_logits_h200.json
+    TRITON_INTERPRET=1 python benchmarks/bench_candidate_logits.py --smoke   # CPU check of the script
+"""
+import argparse
+import json
+
+import torch
+from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
+
+from kernels.candidate_logits.ref import candidate_logits_full_head, candidate_logits_gather, candidate_logits_ref
+from kernels.candidate_logits.triton import candidate_logits, candidate_logits_fwd, pick_config
+from tfm_runtime.io import atomic_write_json
+
+PEAK_BW = 4.8e12
+# Tuning sweep (BLOCK_K, BLOCK_D, num_warps, num_stages), timed on a few cases only.
+SWEEP = [(32, 256, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (16, 256, 4, 4), (32, 256, 8, 4),
+         (8, 512, 4, 4)]
+
+
+def make_sets(M, Kc, Dm, V, dtype, dev, gen, copies):
+    sets = []
+    for _ in range(copies):
+        hidden = torch.randn(M, Dm, generator=gen, device=dev, dtype=dtype)
+        cand = torch.randint(0, V, (M, Kc), generator=gen, device=dev, dtype=torch.int32)
+        sets.append((hidden, cand))
+    return sets
+
+
+def bench_case(M, Kc, weight, dev, sweep):
+    V, Dm = weight.shape
+    gen = torch.Generator(device=dev).manual_seed(M * 131 + Kc)
+    es = weight.element_size()
+    floor_bytes = M * Kc * Dm * es + M * Dm * es
+    sets = make_sets(M, Kc, Dm, V, weight.dtype, dev, gen, n_copies(floor_bytes, cap=64))
+    hidden, cand = sets[0]
+    # Correctness with every option on (per-row temperature, bias, a pad), then timing of the plain call.
+    cand_chk = cand.clone()
+    cand_chk[0, -1] = -1
+    bias = torch.randn(M, Kc, generator=gen, device=dev)
+    inv_t = 0.5 + torch.rand(M, generator=gen, device=dev)
+    lg, lp, _ = candidate_logits(hidden, weight, cand_chk, inv_t, return_lse=True, bias=bias)
+    r_lg, r_lp, _ = candidate_logits_ref(hidden, weight, cand_chk, inv_t, bias)
+    fin = torch.isfinite(r_lg)
+    row = dict(M=M, Kc=Kc, Dm=Dm, vocab=V, dtype=str(weight.dtype).replace("torch.", ""),
+               config=pick_config(M, Kc, Dm, torch.device(dev)), floor_bytes=floor_bytes,
+               logits_rel_rms=rel_rms(r_lg[fin], lg[fin]),
+               logprobs_max_abs_err=(lp.double()[fin] - r_lp[fin]).abs().max().item(),
+               inf_pattern_ok=bool(torch.equal(torch.isfinite(lg), fin)))
+    row["triton"] = time_calls([lambda h=h, c=c: candidate_logits(h, weight, c) for h, c in sets])
+    t = row["triton"]["us"] * 1e-6
+    row.update(floor_us=floor_bytes / PEAK_BW * 1e6, time_over_floor=t * PEAK_BW / floor_bytes,
+               achieved_tbps=floor_bytes / t / 1e12)
+    for name, fn in (("gather_bmm", candidate_logits_gather), ("full_head", candidate_logits_full_head)):
+        try:
+            g_lg, _ = fn(hidden, weight, cand)
+            r0, _, _ = candidate_logits_ref(hidden, weight, cand)
+            row[name + "_logits_rel_rms"] = rel_rms(r0, g_lg)
+            use = sets if name == "gather_bmm" else sets[:1]  # the full head reads all rows anyway
+            row[name] = time_calls([lambda h=h, c=c: fn(h, weight, c) for h, c in use])
+            row[name + "_speedup"] = row[name]["us"] / row["triton"]["us"]
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run is recorded, not fatal
+            row[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
+    if sweep:
+        row["sweep"] = []
+        for bk, bd, w, st in SWEEP:
+            cfg = dict(BLOCK_K=bk, BLOCK_D=bd, num_warps=w, num_stages=st)
+            entry = dict(config=cfg)
+            try:
+                s_lg, _ = candidate_logits_fwd(hidden, weight, cand, None, None, False, cfg)
+                entry["logits_rel_rms"] = rel_rms(candidate_logits_ref(hidden, weight, cand)[0], s_lg)
+                entry.update(time_calls([lambda h=h, c=c: candidate_logits_fwd(h, weight, c, None, None, False, cfg)
+                                         for h, c in sets]))
+                entry["time_over_floor"] = entry["us"] * 1e-6 * PEAK_BW / floor_bytes
+            except Exception as e:  # noqa: BLE001 - e.g. a tile the compiler rejects
+                entry["error"] = f"{type(e).__name__}: {e}"[:300]
+            row["sweep"].append(entry)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/candidate_logits_h200.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU shapes (run under TRITON_INTERPRET=1)")
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.smoke:
+        V, Dm, dtype = 1000, 100, torch.float16
+        cases, sweep_at = [(1, 20), (3, 9)], {(3, 9)}
+    else:
+        V, Dm, dtype = 248320, 5120, torch.bfloat16
+        cases = [(1, 512), (8, 512), (64, 512), (65, 512), (256, 512), (65, 8), (65, 64), (4096, 8)]
+        sweep_at = {(1, 512), (65, 512), (256, 512)}
+    gen = torch.Generator(device=dev).manual_seed(0)
+    weight = (torch.randn(V, Dm, generator=gen, device=dev, dtype=dtype) * 0.02)
+    bw = copy_bandwidth()
+    res = dict(env=env_info(), op="candidate_logits", copy_bandwidth_tbps=bw,
+               peak_assumed=dict(hbm_tbps=PEAK_BW / 1e12), cases=[])
+    for M, Kc in cases:
+        row = bench_case(M, Kc, weight, dev, (M, Kc) in sweep_at)
+        if bw:
+            row["time_over_measured_copy_bw_floor"] = row["triton"]["us"] * 1e-6 * bw * 1e12 / row["floor_bytes"]
+        res["cases"].append(row)
+        atomic_write_json(a.out, res)  # partial results survive a time-out
+    print(f"{'M':>5} {'Kc':>4} {'triton us':>10} {'gather us':>10} {'full us':>9} {'floor us':>9} "
+          f"{'x floor':>8} {'TB/s':>6} {'lg relrms':>10} {'lp abs':>8}")
+    for r in res["cases"]:
+        g, f = r["gather_bmm"].get("us", float("nan")), r["full_head"].get("us", float("nan"))
+        print(f"{r['M']:>5} {r['Kc']:>4} {r['triton']['us']:>10.2f} {g:>10.2f} {f:>9.1f} {r['floor_us']:>9.2f} "
+              f"{r['time_over_floor']:>8.2f} {r['achieved_tbps']:>6.2f} {r['logits_rel_rms']:>10.2e} "
+              f"{r['logprobs_max_abs_err']:>8.1e}")
+        for s in r.get("sweep", []):
+            c = s["config"]
+            print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']}: "
+                  f"{s.get('us', float('nan')):.2f} us ({s.get('time_over_floor', float('nan')):.2f}x) "
+                  f"{s.get('error', '')[:60]}")
+    print(f"copy bandwidth {bw} TB/s; " + json.dumps(res["env"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Candidate logits + candidate log-softmax (Triton) against the float64 reference."""
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.candidate_logits import candidate_logits, candidate_logits_ref  # noqa: E402
+from kernels.candidate_logits.ref import candidate_logits_full_head  # noqa: E402
+from kernels.candidate_logits.triton import candidate_logits_fwd  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
+# Logits: relative error; logprobs: absolute error (kernels.md 7(c)).
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-3)}
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """Fresh float buffers are NaN, so any output element the kernel forgets to write fails."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def make_inputs(M, Kc, Dm, V, dtype, pad_frac=0.0, device="cpu", scale=1.0):
+    gen = torch.Generator().manual_seed(M * 7919 + Kc * 31 + Dm)
+    hidden = (scale * torch.randn(M, Dm, generator=gen)).to(device=device, dtype=dtype)
+    weight = (torch.randn(V, Dm, generator=gen) / math.sqrt(Dm)).to(device=device, dtype=dtype)
+    cand = torch.randint(0, V, (M, Kc), generator=gen)
+    cand[torch.rand(M, Kc, generator=gen) < pad_frac] = -1
+    return hidden, weight, cand.to(device=device, dtype=torch.int32)
+
+
+def check(out, ref, dtype, atol=None):
+    """out, ref: (logits, logprobs[, lse]); same -inf pattern, finite entries within tolerance."""
+    rtol, atol = TOL[dtype][0], TOL[dtype][1] if atol is None else atol
+    for name, o, r in zip(("logits", "logprobs", "lse"), out, ref):
+        assert o.dtype == torch.float32, name
+        assert not torch.isnan(o).any(), f"NaN in {name}"
+        fin = torch.isfinite(r)
+        assert torch.equal(torch.isfinite(o).cpu(), fin.cpu()), f"-inf pattern of {name}"
+        if not fin.any():
+            continue
+        err = (o.double()[fin] - r[fin]).abs().max().item()
+        bound = rtol * r[fin].abs().max().item() if name == "logits" else atol
+        assert err <= max(bound, 1e-6), f"{name}: max abs err {err:.3g} > {bound:.3g}"
+
+
+# (M, Kc, Dm, Vocab, dtype): Kc = 1 and non-powers of 2; Dm not a multiple of any block.
+CASES = [
+    (1, 1, 64, 50, torch.float32),
+    (3, 2, 100, 37, torch.float32),
+    (2, 7, 48, 300, torch.float16),
+    (4, 8, 32, 64, torch.float32),
+    (2, 64, 80, 1000, torch.float16),
+    (3, 100, 130, 500, torch.float32),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize(("M", "Kc", "Dm", "V", "dtype"),
+                         [pytest.param(*c, id="M{}-Kc{}-Dm{}-V{}-{}".format(*c)) for c in CASES])
+def test_matches_float64_ref(M, Kc, Dm, V, dtype):
+    hidden, weight, cand = make_inputs(M, Kc, Dm, V, dtype, pad_frac=0.2)
+    out = candidate_logits(hidden, weight, cand, return_lse=True)
+    check(out, candidate_logits_ref(hidden, weight, cand), dtype)
+    if Kc == 1 and (cand >= 0).all():
+        assert (out[1] == 0).all()
+
+
+@cpu_only
+@pytest.mark.parametrize("cfg", [dict(BLOCK_K=2, BLOCK_D=32), dict(BLOCK_K=16, BLOCK_D=16), dict(BLOCK_K=128, BLOCK_D=64)],
+                         ids=["K2-D32", "K16-D16", "K128-D64"])
+def test_block_sizes_and_dm_remainder(cfg):
+    hidden, weight, cand = make_inputs(5, 37, 75, 200, torch.float32, pad_frac=0.1)
+    out = candidate_logits_fwd(hidden, weight, cand, None, None, True, {**cfg, "num_warps": 4, "num_stages": 1})
+    check(out, candidate_logits_ref(hidden, weight, cand), torch.float32)
+
+
+@cpu_only
+def test_pads_duplicates_and_vocab_edges():
+    V = 90
+    hidden, weight, _ = make_inputs(4, 6, 40, V, torch.float32)
+    cand = torch.tensor([[-1, -1, 5, -1, -1, -1],      # all pad but one
+                         [0, V - 1, 3, 3, 3, -1],      # vocab edges, triple duplicate
+                         [-1] * 6,                     # all pad
+                         [V, 7, -5, 7, 8, 2 * V]], dtype=torch.int32)  # out-of-range ids are pads
+    lg, lp, lse = candidate_logits(hidden, weight, cand, return_lse=True)
+    check((lg, lp, lse), candidate_logits_ref(hidden, weight, cand), torch.float32)
+    assert lp[0, 2] == 0 and torch.isinf(lp[0, [0, 1, 3, 4, 5]]).all()
+    assert lg[1, 2] == lg[1, 3] == lg[1, 4]
+    # Duplicates are separate entries: every copy counts in the normaliser.
+    assert abs(torch.logsumexp(lp[1], 0).item()) < 1e-5
+    assert torch.isinf(lg[2]).all() and torch.isinf(lp[2]).all() and lse[2] == -math.inf
+
+
+@cpu_only
+def test_huge_logits_bias_and_temperature():
+    hidden, weight, cand = make_inputs(3, 9, 64, 120, torch.float32, scale=1e4)
+    bias = torch.randn(3, 9) * 1e3
+    for inv_t in (None, 0.7, torch.tensor([1.0, 0.5, 2.0])):
+        out = candidate_logits(hidden, weight, cand, inv_t, return_lse=True, bias=bias)
+        ref = candidate_logits_ref(hidden, weight, cand, inv_t, bias)
+        assert out[0].abs().max() > 1e3
+        assert torch.isfinite(out[1]).all()
+        # fp32 rounding of ~1e4 logits is ~1e-3 absolute; what matters here is no overflow / NaN.
+        check(out, ref, torch.float32, atol=1e-6 * ref[0].abs().max().item())
+
+
+@cpu_only
+def test_full_head_cross_check_and_int64_ids():
+    hidden, weight, cand = make_inputs(6, 12, 56, 77, torch.float32, pad_frac=0.3)
+    lg, lp = candidate_logits(hidden, weight, cand.long())
+    full_lg, full_lp = candidate_logits_full_head(hidden.double(), weight.double(), cand)
+    fin = torch.isfinite(full_lg)
+    assert torch.equal(torch.isfinite(lg), fin)
+    assert (lg.double()[fin] - full_lg[fin]).abs().max() < 1e-5
+    assert (lp.double()[fin] - full_lp[fin]).abs().max() < 1e-5
+
+
+@cpu_only
+def test_bad_inputs_raise():
+    hidden, weight, cand = make_inputs(2, 3, 16, 10, torch.float32)
+    with pytest.raises(ValueError, match="cand"):
+        candidate_logits(hidden, weight, cand.float())
+    with pytest.raises(ValueError, match="bias"):
+        candidate_logits(hidden, weight, cand, bias=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="weight"):
+        candidate_logits(hidden, weight[:, :8], cand)
+
+
+@gpu_only
+@pytest.mark.parametrize(("M", "Kc"), [(1, 512), (65, 512), (4096, 8), (7, 100), (64, 1)])
+def test_gpu_bf16(M, Kc):
+    hidden, weight, cand = make_inputs(M, Kc, 5120, 32000, torch.bfloat16, pad_frac=0.05, device="cuda")
+    bias = torch.randn(M, Kc, device="cuda")
+    out = candidate_logits(hidden, weight, cand, 0.8, return_lse=True, bias=bias)
+    check(out, candidate_logits_ref(hidden, weight, cand, 0.8, bias), torch.bfloat16)

@@ -1,0 +1,261 @@
+"""GDN tree verify / commit and the tree short conv (Triton) against their float64 references.
+
+On a machine without CUDA the kernels run under the Triton interpreter (fp32/fp16, tiny shapes).
+"""
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.gdn_tree import (check_parents, ref, tree_ancestor_bits, tree_conv1d,  # noqa: E402
+                              tree_conv1d_commit, tree_gdn_commit, tree_gdn_verify)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """Fresh float buffers are NaN, so any output element a kernel forgets to write fails."""
+    real, real_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(math.nan) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_like(*a, **k)))
+
+
+def rel_rms(out, ref_):
+    assert not torch.isnan(out).any(), "NaN in output"
+    r = ref_.double().cpu()
+    return ((out.double().cpu() - r).norm() / r.norm().clamp_min(1e-30)).item()
+
+
+def make_batch(B, N, ns, kind, gen, p_chain=0.5):
+    parent = torch.full((B, N), -1, dtype=torch.int32)
+    for b, n in enumerate(ns):
+        parent[b, :n] = ref.make_tree(n, kind, p_chain=p_chain, topk=3, generator=gen).int()
+        parent[b, n:] = 7  # garbage in padding must be ignored
+    return parent, torch.tensor(ns, dtype=torch.int32)
+
+
+def make_gdn(B, N, H, HV, K, V, dtype, gen, gnorm=1.0, g_const=None, beta_const=None,
+             s0_scale=1.0, prenorm=False):
+    q, k = torch.randn(B, N, H, K, generator=gen), torch.randn(B, N, H, K, generator=gen)
+    if prenorm:
+        q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    v = torch.randn(B, N, HV, V, generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, N, HV, generator=gen)) / gnorm
+    beta = torch.rand(B, N, HV, generator=gen)
+    if g_const is not None:
+        g = torch.full_like(g, g_const)
+    if beta_const is not None:
+        beta = torch.full_like(beta, beta_const)
+    pool = torch.randn(B + 2, HV, K, V, generator=gen) * s0_scale
+    sidx = torch.randperm(B + 2, generator=gen)[:B].int()
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta, pool, sidx
+
+
+# (B, N, num_nodes, H, HV, K, V, kind, dtype, extra)
+VERIFY_CASES = [
+    (1, 1, [1], 2, 4, 16, 16, "chain", torch.float32, {}),
+    (1, 17, [17], 2, 4, 16, 16, "chain", torch.float32, {}),
+    (1, 20, [20], 2, 4, 16, 32, "star", torch.float16, {}),
+    (1, 31, [31], 2, 4, 32, 16, "binary", torch.float32, {"v_first": True, "block_t": 32}),
+    (1, 40, [40], 2, 4, 16, 16, "eagle", torch.float32, {"block_t": 64}),
+    (1, 24, [24], 2, 4, 16, 16, "random", torch.float32, {"p_chain": 0.0}),
+    (1, 33, [33], 2, 4, 16, 16, "random", torch.float16, {"p_chain": 0.9}),
+    (1, 40, [40], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 16, "p_chain": 0.8}),
+    (1, 70, [70], 1, 2, 16, 16, "spine", torch.float32, {"p_chain": 0.95, "block_t": 64}),
+    (3, 24, [24, 9, 5], 2, 4, 16, 16, "random", torch.float32, {"pad_request": 2}),
+    (2, 12, [12, 7], 2, 2, 20, 24, "random", torch.float32, {"v_first": True}),
+    (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"gnorm": 0.01}),
+    (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"gnorm": 10.0}),
+    (1, 16, [16], 2, 4, 16, 16, "chain", torch.float32, {"g_const": -30.0}),
+    (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"beta_const": 1e-4}),
+    (1, 16, [16], 2, 4, 16, 16, "chain", torch.float32, {"beta_const": 1 - 1e-4}),
+    (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"s0_scale": 0.0}),
+    (1, 16, [16], 2, 4, 16, 16, "random", torch.float16, {"s0_scale": 100.0}),
+    (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"prenorm": True, "l2norm": False}),
+]
+
+
+def run_verify(case, seed=0):
+    B, N, ns, H, HV, K, V, kind, dtype, extra = case
+    gen = torch.Generator().manual_seed(seed)
+    parent, num = make_batch(B, N, ns, kind, gen, extra.get("p_chain", 0.5))
+    q, k, v, g, beta, pool, sidx = make_gdn(
+        B, N, H, HV, K, V, dtype, gen, extra.get("gnorm", 1.0), extra.get("g_const"),
+        extra.get("beta_const"), extra.get("s0_scale", 1.0), extra.get("prenorm", False))
+    if "pad_request" in extra:
+        sidx[extra["pad_request"]] = -1
+    vf, l2 = extra.get("v_first", False), extra.get("l2norm", True)
+    dpool = (pool.transpose(-1, -2) if vf else pool).contiguous().to(DEV)
+    before = dpool.clone()
+    d = [t.to(DEV) for t in (q, k, v, g, beta, parent, num, sidx)]
+    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], use_qk_l2norm=l2, state_v_first=vf,
+                               precision="ieee", block_t=extra.get("block_t"))
+    assert torch.equal(dpool, before), "verify wrote the committed state"
+    num_eff = torch.where(sidx >= 0, num, 0)
+    S0 = pool[sidx.long().clamp(min=0)]
+    ro, S, rv, rG = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num_eff, S0,
+                                           use_qk_l2norm=l2)
+    return dict(o=o, stash=stash, ro=ro, S=S, rv=rv, rG=rG, pool=pool, dpool=dpool, sidx=sidx,
+                parent=parent, num=num_eff, dtype=dtype)
+
+
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: "B{}-N{}-H{}-HV{}-K{}-V{}-{}-{}".format(
+    c[0], c[1], c[3], c[4], c[5], c[6], c[7], str(c[8])[6:]) + "".join(
+        f"-{a}{b}" for a, b in c[9].items()))
+def test_verify_matches_float64(case):
+    r = run_verify(case)
+    tol = 1e-5 if r["dtype"] == torch.float32 else 2e-3
+    for name, out, want in (("o", r["o"], r["ro"]), ("vnew", r["stash"].vnew, r["rv"]),
+                            ("G", r["stash"].G, r["rG"])):
+        if want.abs().max() == 0:
+            assert out.abs().max() == 0, name
+        else:
+            assert rel_rms(out, want) < tol, name
+    for b in range(len(r["num"])):
+        n = int(r["num"][b])
+        assert not r["o"][b, n:].abs().any() and not r["stash"].vnew[b, n:].abs().any()
+
+
+def test_commit_every_node_and_out_idx():
+    case = (2, 14, [14, 11], 2, 4, 16, 32, "random", torch.float32, {})
+    r = run_verify(case, seed=3)
+    pool, sidx = r["dpool"], r["sidx"].to(DEV)
+    out_idx = torch.tensor([s for s in range(pool.shape[0]) if s not in r["sidx"].tolist()][:2],
+                           dtype=torch.int32, device=DEV)
+    src = pool[sidx.long()].clone()
+    for a in range(14):
+        leaf = torch.tensor([a, min(a, 10)], device=DEV)
+        tree_gdn_commit(pool, sidx, leaf, r["stash"], out_idx=out_idx, precision="ieee")
+        assert torch.equal(pool[sidx.long()], src), "commit into out_idx touched the source slot"
+        for b in range(2):
+            assert rel_rms(pool[out_idx[b].long()], r["S"][b, int(leaf[b])]) < 1e-5, (a, b)
+    # in place, and leaf = -1 (nothing accepted) keeps S0
+    tree_gdn_commit(pool, sidx, torch.tensor([5, -1], device=DEV), r["stash"], precision="ieee")
+    assert rel_rms(pool[sidx[0].long()], r["S"][0, 5]) < 1e-5
+    assert torch.equal(pool[sidx[1].long()], src[1])
+
+
+def test_two_step_consistency():
+    """verify -> commit leaf -> verify a new tree == one float64 run over the concatenated path."""
+    gen = torch.Generator().manual_seed(5)
+    H, HV, K, V, n1, n2 = 2, 4, 16, 16, 12, 10
+    p1 = ref.make_tree(n1, "random", generator=gen)
+    p2 = ref.make_tree(n2, "random", generator=gen)
+    q, k, v, g, beta, pool, sidx = make_gdn(1, n1 + n2, H, HV, K, V, torch.float32, gen)
+    dpool = pool.clone().to(DEV)
+    leaf = n1 - 1
+    for sl, par in ((slice(0, n1), p1), (slice(n1, n1 + n2), p2)):
+        args = [t[:, sl].contiguous().to(DEV) for t in (q, k, v, g, beta)]
+        n = par.numel()
+        o, stash = tree_gdn_verify(*args, par[None].int().to(DEV), torch.tensor([n], device=DEV),
+                                   dpool, sidx.to(DEV), precision="ieee")
+        if sl.start == 0:
+            tree_gdn_commit(dpool, sidx.to(DEV), torch.tensor([leaf], device=DEV), stash,
+                            precision="ieee")
+    # float64: the path root..leaf of tree 1 as a chain, then tree 2 hanging from its end
+    path = []
+    j = leaf
+    while j >= 0:
+        path.append(j)
+        j = int(p1[j])
+    path = path[::-1]
+    idx = torch.tensor(path + list(range(n1, n1 + n2)))
+    parent = torch.cat([torch.arange(len(path)) - 1, torch.where(p2 < 0, len(path) - 1, p2 + len(path))])
+    ro, *_ = ref.tree_gdn_recurrent(q[:, idx], k[:, idx], v[:, idx], g[:, idx], beta[:, idx],
+                                    parent[None], torch.tensor([idx.numel()]), pool[sidx.long()])
+    assert rel_rms(o, ro[:, len(path):]) < 1e-5
+
+
+def test_references_agree():
+    gen = torch.Generator().manual_seed(0)
+    for kind, gnorm in (("random", 1.0), ("eagle", 0.01), ("spine", 10.0), ("star", 1.0)):
+        parent, num = make_batch(2, 30, [30, 17], kind, gen)
+        q, k, v, g, beta, pool, sidx = make_gdn(2, 30, 2, 4, 16, 16, torch.float64, gen, gnorm)
+        S0 = pool[sidx.long()]
+        o1, S, v1, G1 = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, S0)
+        o2, v2, G2 = ref.tree_gdn_closed_form(q, k, v, g, beta, parent, num, S0)
+        assert (o1 - o2).abs().max() < 1e-10 and (v1 - v2).abs().max() < 1e-10
+        for a in (0, 9, 16):
+            Sa = ref.tree_gdn_commit(S0, torch.tensor([a, a]), parent, k, v1, G1)
+            assert (Sa - S[:, a]).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("N", [5, 33, 70, 256])
+def test_ancestor_bits(N):
+    gen = torch.Generator().manual_seed(N)
+    ns = [N, N // 2, 0]
+    parent, num = make_batch(3, N, ns, "spine", gen, p_chain=0.7)
+    bits = tree_ancestor_bits(parent.to(DEV), num.to(DEV)).cpu()
+    j = torch.arange(N)
+    assert torch.equal(((bits[:, :, j // 32] >> (j % 32)) & 1).bool(), ref.ancestor_mask(parent, num))
+
+
+def test_rejects_non_topological_parents():
+    parent = torch.tensor([[-1, 0, 3, 1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="topological"):
+        check_parents(parent, torch.tensor([4]))
+    q = torch.randn(1, 4, 1, 16)
+    v, g = torch.randn(1, 4, 1, 16), torch.zeros(1, 4, 1)
+    with pytest.raises(ValueError, match="topological"):
+        tree_gdn_verify(q, q, v, g, g, parent, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
+                        torch.tensor([0], dtype=torch.int32))
+    check_parents(parent, torch.tensor([2]))  # the bad node is padding
+
+
+@pytest.mark.parametrize("W,S,bias,act,dtype", [(4, 3, True, "silu", torch.float32),
+                                                (4, 4, False, None, torch.float16),
+                                                (2, 1, True, "silu", torch.float32)])
+def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
+    gen = torch.Generator().manual_seed(W + S)
+    B, N, D = 3, 19, 24
+    parent, num = make_batch(B, N, [19, 6, 4], "random", gen)
+    x = torch.randn(B, N, D, generator=gen).to(dtype)
+    pool = torch.randn(5, D, S, generator=gen).to(dtype)
+    w, b = torch.randn(D, W, generator=gen), (torch.randn(D, generator=gen) if bias else None)
+    sidx = torch.tensor([3, 0, -1], dtype=torch.int32)
+    dpool = pool.to(DEV)
+    out = tree_conv1d(x.to(DEV), dpool, w.to(DEV), None if b is None else b.to(DEV),
+                      parent.to(DEV), num.to(DEV), sidx.to(DEV), activation=act, block_n=8,
+                      block_d=16)
+    assert torch.equal(dpool.cpu(), pool)
+    num_eff = torch.where(sidx >= 0, num, 0)
+    want = ref.tree_conv1d(x, pool[sidx.long().clamp(min=0)], w, b, parent, num_eff, act)
+    assert rel_rms(out, want) < (1e-6 if dtype == torch.float32 else 2e-3)
+    out_idx = torch.tensor([1, 2, 4], dtype=torch.int32)
+    for a in (-1, 0, 3, 18):
+        leaf = torch.tensor([a, min(a, 5), 0])
+        p2 = pool.clone().to(DEV)
+        tree_conv1d_commit(x.to(DEV), p2, leaf.to(DEV), parent.to(DEV), sidx.to(DEV),
+                           out_idx.to(DEV), block_d=16)
+        want = ref.tree_conv1d_commit(x, pool[sidx.long().clamp(min=0)], leaf, parent)
+        for r in range(2):
+            assert torch.equal(p2[out_idx[r].long()].cpu().double(), want[r].to(dtype).double())
+        assert torch.equal(p2[sidx[:2].long()].cpu(), pool[sidx[:2].long()])
+        assert torch.equal(p2[4].cpu(), pool[4]), "padded request wrote its out slot"
+
+
+@gpu_only
+@pytest.mark.parametrize("n,kind", [(16, "chain"), (65, "eagle"), (129, "spine")])
+def test_gpu_real_shape_bf16_tf32(n, kind):
+    """Qwen3.6-27B GDN shape, bf16 inputs, tf32 dots: o within bf16 rounding, commit < 2e-3."""
+    gen = torch.Generator().manual_seed(n)
+    parent, num = make_batch(1, n, [n], kind, gen, p_chain=0.7)
+    q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
+    d = [t.cuda() for t in (q, k, v, g, beta, parent, num, sidx)]
+    dpool = pool.cuda()
+    o, stash = tree_gdn_verify(*d[:7], dpool, d[7])
+    ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
+    assert rel_rms(o, ro) < 3e-3
+    tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)
+    assert rel_rms(dpool[sidx.long()][0], S[0, n - 1]) < 2e-3

@@ -24,5 +24,9 @@ test: install
 test-fast: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -x -m "not slow" tests
 
+# Until the SmolLM2 world lands, the demo decodes on a tiny random world (acceptance numbers check plumbing only).
+demo: install
+	$(PY) -m benchmarks.acceptance --family llama --budgets 16 64 --temperatures 0 1 --prompts 2 --max-new-tokens 24
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -24,6 +24,26 @@ class TreeGDNStash:
         """The committed conv state after accepting `leaf`: [B, C, Kc]."""
         return self.ext[:, self.win[leaf]].transpose(1, 2)
 
+    def commit_into(self, layer, leaf: int) -> None:
+        """Write the accepted leaf's recurrent state and conv window into an HF linear-attention cache layer."""
+        layer.recurrent_states[0].copy_(self.states[:, leaf].to(layer.recurrent_states[0].dtype))
+        layer.conv_states[0].copy_(self.conv_window(leaf).to(layer.conv_states[0].dtype))
+
+
+@dataclass
+class TritonTreeGDNStash:
+    mixed: torch.Tensor        # [B, N, C] pre-conv inputs of the nodes
+    parents: torch.Tensor      # [B, N] int32
+    gdn: object                # kernels.gdn_tree.GDNTreeStash
+
+    def commit_into(self, layer, leaf: int) -> None:
+        from kernels.gdn_tree import tree_conv1d_commit, tree_gdn_commit
+        B = self.mixed.shape[0]
+        slots = torch.arange(B, dtype=torch.int32, device=self.mixed.device)
+        leaves = torch.full((B,), leaf, dtype=torch.int32, device=self.mixed.device)
+        tree_gdn_commit(layer.recurrent_states[0], slots, leaves, self.gdn)
+        tree_conv1d_commit(self.mixed, layer.conv_states[0], leaves, self.parents, slots)
+
 
 def conv_window_index(parents: torch.Tensor, kc: int) -> torch.Tensor:
     """parents [N] -> [N, Kc] indices into ext = [conv_state (Kc rows) | nodes (N rows)], oldest first."""
@@ -77,8 +97,12 @@ def tree_recurrence(q, k, v, g, beta, parents, S0):
     return o, states
 
 
-def gdn_tree_layer_forward(mod, hidden_states: torch.Tensor, cache, parents: torch.Tensor, backend: str = "torch"):
-    """hidden_states [B, N, H] of the tree nodes -> (layer output [B, N, H], TreeGDNStash)."""
+def gdn_tree_layer_forward(mod, hidden_states: torch.Tensor, cache, parents: torch.Tensor, backend: str = "torch",
+                           anc_bits: torch.Tensor | None = None):
+    """hidden_states [B, N, H] of the tree nodes -> (layer output [B, N, H], stash with `commit_into`).
+
+    `anc_bits` [B, N, ceil(N/32)] int32 (triton backend): the ancestor bitmask built once per step for all layers.
+    """
     B, N, _ = hidden_states.shape
     li, kc = mod.layer_idx, mod.conv_kernel_size
     mixed, z, b, a = _project(mod, hidden_states)                                    # mixed [B, N, C]
@@ -86,6 +110,10 @@ def gdn_tree_layer_forward(mod, hidden_states: torch.Tensor, cache, parents: tor
     S0 = cache.get_recurrent_state(li, state_idx=0)                                  # [B, HV, K, V] or None
     if conv_state is None or S0 is None:
         raise RuntimeError(f"GDN layer {li}: tree verification needs a prefilled cache (run the prompt first)")
+    if backend == "triton":
+        return _triton_forward(mod, mixed, z, b, a, conv_state, S0, parents, anc_bits)
+    if backend != "torch":
+        raise ValueError(f"GDN tree backend must be 'torch' or 'triton', got {backend!r}")
     ext = torch.cat([conv_state.transpose(1, 2).to(mixed.dtype), mixed], dim=1)      # [B, Kc+N, C]
     win = conv_window_index(parents.cpu(), kc).to(mixed.device)                      # [N, Kc]
     w = mod.conv1d.weight.squeeze(1)                                                 # [C, Kc]
@@ -100,8 +128,6 @@ def gdn_tree_layer_forward(mod, hidden_states: torch.Tensor, cache, parents: tor
     beta = b.sigmoid()
     g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
     cdt = torch.float64 if mixed.dtype == torch.float64 else torch.float32
-    if backend != "torch":
-        raise NotImplementedError(f"GDN tree backend {backend!r} is not available")
     rep = mod.num_v_heads // mod.num_k_heads
     q, k = (_l2norm(t.to(cdt)).repeat_interleave(rep, dim=2) for t in (q, k))
     q = q * mod.head_k_dim ** -0.5
@@ -109,3 +135,28 @@ def gdn_tree_layer_forward(mod, hidden_states: torch.Tensor, cache, parents: tor
     o = o.to(hidden_states.dtype)
     out = mod.norm(o.reshape(-1, mod.head_v_dim), z.reshape(-1, mod.head_v_dim)).reshape(B, N, -1)
     return mod.out_proj(out), TreeGDNStash(ext=ext, win=win, states=states)
+
+
+def _triton_forward(mod, mixed, z, b, a, conv_state, S0, parents, anc_bits):
+    """The same layer through kernels.gdn_tree: tree conv + masked triangular solve, committed state read-only."""
+    from kernels.gdn_tree import tree_conv1d, tree_gdn_verify
+    if mixed.dtype == torch.float64:
+        raise TypeError("the triton GDN tree backend takes fp32/fp16/bf16 targets; use backend='torch' for fp64")
+    B, N, _ = mixed.shape
+    dev = mixed.device
+    par = parents.to(device=dev, dtype=torch.int32)[None].expand(B, N).contiguous()      # [B, N]
+    n = torch.full((B,), N, dtype=torch.int32, device=dev)
+    slots = torch.arange(B, dtype=torch.int32, device=dev)
+    conv = tree_conv1d(mixed, conv_state, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, par, n, slots)
+    q, k, v = torch.split(conv, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
+    q = q.reshape(B, N, -1, mod.head_k_dim)
+    k = k.reshape(B, N, -1, mod.head_k_dim)
+    v = v.reshape(B, N, -1, mod.head_v_dim)
+    beta = b.sigmoid().float()
+    g = (-mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)).float()
+    precision = "ieee" if mixed.dtype == torch.float32 else "tf32"
+    o, stash = tree_gdn_verify(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+                               par, n, S0, slots, scale=mod.head_k_dim ** -0.5, use_qk_l2norm=True,
+                               anc=anc_bits, check=False, precision=precision)
+    out = mod.norm(o.reshape(-1, mod.head_v_dim), z.reshape(-1, mod.head_v_dim)).reshape(B, N, -1)
+    return mod.out_proj(out), TritonTreeGDNStash(mixed=mixed, parents=par, gdn=stash)

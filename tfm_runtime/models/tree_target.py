@@ -35,7 +35,7 @@ class TreeVerifier:
         self.target = target
         self.gdn = _gdn_modules(target)
         if backend == "auto":
-            backend = "triton" if target.device.type == "cuda" and self.gdn else "torch"
+            backend = "triton" if target.device.type == "cuda" and target.dtype != torch.float64 else "torch"
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
         self.backend = backend
@@ -52,7 +52,8 @@ class TreeVerifier:
             ctx = verifier._ctx
             if ctx is None:
                 return mod._tfm_plain_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-            out, stash = gdn_tree_layer_forward(mod, hidden_states, cache, ctx["parents"], backend=verifier.backend)
+            out, stash = gdn_tree_layer_forward(mod, hidden_states, cache, ctx["parents"], backend=verifier.backend,
+                                                anc_bits=ctx["anc_bits"])
             ctx["stash"][mod.layer_idx] = stash
             return out
         return forward
@@ -71,7 +72,12 @@ class TreeVerifier:
         mask = mask[None, None]                                                     # [1, 1, N, start+N]
         if self.target.is_hybrid:
             mask = {"full_attention": mask, "linear_attention": None}
-        self._ctx = {"parents": parents.to(dev), "stash": {}}
+        anc_bits = None
+        if self.backend == "triton" and self.gdn:
+            from kernels.gdn_tree import tree_ancestor_bits       # once per step, shared by every GDN layer
+            par = parents.to(device=dev, dtype=torch.int32)[None]
+            anc_bits = tree_ancestor_bits(par, torch.full((1,), N, dtype=torch.int32, device=dev))
+        self._ctx = {"parents": parents.to(dev), "stash": {}, "anc_bits": anc_bits}
         try:
             out = self.target(tokens[None].to(dev), position_ids=(start + depths)[None].to(dev),
                               attention_mask=mask, past_key_values=cache, use_cache=True)
@@ -84,10 +90,7 @@ class TreeVerifier:
         idx = torch.as_tensor(accepted, dtype=torch.long, device=self.target.device)
         for i, layer in enumerate(cache.layers):
             if i in self.gdn:
-                stash = self._stash[i]
-                leaf = accepted[-1]
-                layer.recurrent_states[0].copy_(stash.states[:, leaf].to(layer.recurrent_states[0].dtype))
-                layer.conv_states[0].copy_(stash.conv_window(leaf).to(layer.conv_states[0].dtype))
+                self._stash[i].commit_into(layer, accepted[-1])
             elif getattr(layer, "keys", None) is not None and layer.keys.numel():
                 keep = torch.cat([torch.arange(start, device=idx.device), start + idx])
                 layer.keys = layer.keys.index_select(2, keep)

@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from tfm_runtime.acceptance import estimate_acceptance, format_table
+
+
+def test_estimator_rows_and_bounds(worlds64):
+    w = worlds64["qwen3"]
+    rows = estimate_acceptance(w.target, w.drafter, w.weaver, [[4, 8, 15], [16, 23, 42, 7]], budgets=(1, 16),
+                               temperatures=(0.0, 1.0), max_new_tokens=10, progress=False)
+    assert [(r.proposal, r.budget, r.temperature) for r in rows] == [
+        (p, b, t) for p in ("chain", "ddtree", "weaver") for b in (1, 16) for t in (0.0, 1.0)]
+    for r in rows:
+        assert 1.0 <= r.acceptance_length <= min(r.budget, w.drafter.lookahead) + 1
+        assert r.mean_tree_size <= r.budget + 1 and r.verify_steps >= r.prompts
+    assert "accept len" in format_table(rows)
+    no_weaver = estimate_acceptance(w.target, w.drafter, None, [[1, 2]], budgets=(4,), temperatures=(0.0,),
+                                    max_new_tokens=4, progress=False)
+    assert [r.proposal for r in no_weaver] == ["chain", "ddtree"]
+    with pytest.raises(ValueError, match="at least one prompt"):
+        estimate_acceptance(w.target, w.drafter, w.weaver, [])
+
+
+def test_oracle_drafter_is_fully_accepted():
+    """A drafter whose argmax always equals the target's greedy continuation is accepted to the full block."""
+    from tfm_runtime.engine import SpeculativeDecoder
+    from tfm_runtime.worlds import tiny_world
+    w = tiny_world("llama", dtype=torch.float64, vocab_size=64)
+    prompt = [3, 5, 7]
+    greedy = w.target.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                     min_new_tokens=40, pad_token_id=0, eos_token_id=None)[0].tolist()
+
+    class Oracle:                                     # same interface as DFlashDrafter
+        cfg, lookahead = w.drafter.cfg, w.drafter.lookahead
+
+        def new_cache(self):
+            return w.drafter.new_cache()
+
+        def extend_context(self, cache, taps):
+            w.drafter.extend_context(cache, taps)
+
+        def draft(self, cache, bonus, embed, head):
+            pos = cache.length + 1                    # the bonus sits at cache.length
+            nxt = greedy[pos:pos + self.lookahead]
+            nxt += [0] * (self.lookahead - len(nxt))
+            logits = torch.full((1, self.lookahead, 64), -5.0, dtype=torch.float64)
+            logits[0, torch.arange(self.lookahead), torch.tensor(nxt)] = 5.0
+            return logits, torch.zeros(1, self.lookahead, w.target.hidden_size, dtype=torch.float64)
+
+    dec = SpeculativeDecoder(w.target, Oracle(), None, tree_budget=16, proposal="chain")
+    out = dec.generate(prompt, max_new_tokens=30)
+    assert out.tokens == greedy[3:33]
+    assert out.stats.accept_lengths[:3] == [w.drafter.lookahead + 1] * 3

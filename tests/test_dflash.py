@@ -126,3 +126,19 @@ def test_sliding_window_layers_restrict_context(tmp_path):
     assert torch.isfinite(a).all()
     m.layers[0].self_attn.sliding = False
     assert not torch.allclose(run(m, taps, torch.tensor([1]), embed, head)[0], a)
+
+
+def test_forward_blocks_equals_incremental_draft(tmp_path):
+    cfg = zlab_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    m = DFlashDrafter.from_pretrained(str(write_zlab_dir(tmp_path / "b", cfg=cfg)), dtype=torch.float64)
+    g = torch.Generator().manual_seed(6)
+    embed, head = torch.randn(V, H, generator=g).double(), torch.randn(V, H, generator=g).double()
+    taps = torch.randn(1, 20, 2 * H, generator=g).double()
+    seq = torch.randint(0, 190, (20,), generator=g)
+    anchors = torch.tensor([1, 4, 11, 19])
+    ids = torch.full((4, 8), 199)
+    ids[:, 0] = seq[anchors]
+    hidden = m.forward_blocks(taps, anchors, embed[ids])
+    for a_i, a in enumerate(anchors.tolist()):
+        _, h_inc = run(m, taps[:, :a], seq[a:a + 1], embed, head)
+        torch.testing.assert_close(hidden[a_i, 1:], h_inc[0], rtol=1e-10, atol=1e-10)

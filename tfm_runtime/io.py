@@ -15,6 +15,9 @@ def atomic_path(path: str | os.PathLike):
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)                      # mkstemp makes 0600; finished files get normal modes
     try:
         yield tmp
         with open(tmp, "rb") as f:

@@ -91,3 +91,37 @@ def tiny_world(family: str = "llama", *, seed: int = 0, dtype=torch.float32, voc
                         tap_layer_ids=tuple(target.tap_layer_ids), block_size=block_size,
                         mask_token_id=dcfg.mask_token_id, candidate_pool=candidate_pool, lookahead=block_size - 1)
     return World(family, target, drafter, weaver, contract)
+
+
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer(vocab_size: int = 262):
+    """A byte-level tokenizer (ids 0..255 = bytes) with ChatML specials at 256.. and a chat template; no download.
+
+    The last id (vocab_size - 1) is left for the DFlash mask token.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    if vocab_size < 256 + len(TINY_SPECIALS) + 1:
+        raise ValueError(f"tiny tokenizer needs vocab_size >= {256 + len(TINY_SPECIALS) + 1}, got {vocab_size}")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _bytelevel_index(c))
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(TINY_SPECIALS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHATML_TEMPLATE)
+
+
+def _bytelevel_index(ch: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's printable remapping)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    extra = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(extra)})
+    return table[ch]

@@ -199,6 +199,42 @@ class DFlashDrafter(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
+    def forward_blocks(self, taps: torch.Tensor, anchors: torch.Tensor, noise_emb: torch.Tensor) -> torch.Tensor:
+        """Many anchors of one sequence in one pass (collection and training; method.md 2.4).
+
+        taps [1, T, n_taps*H] tap features of the whole sequence; anchors [A] block start positions; noise_emb
+        [A, S, H] embedded blocks [x_a, MASK...] at positions a..a+S-1. Block a sees context positions < a and its
+        own block (bidirectionally), never another block. Returns normed hidden [A, S, H]; equal to `draft` with
+        a context cache holding taps[:, :a].
+        """
+        A, S, _ = noise_emb.shape
+        T = taps.shape[1]
+        dev, dt = noise_emb.device, noise_emb.dtype
+        ctx = self.hidden_norm(self.fc(taps))                                            # [1, T, H]
+        c_cos, c_sin = rope_cos_sin(torch.arange(T, device=dev), self.cfg.head_dim, self.cfg.rope_theta, dt)
+        q_pos = anchors[:, None] + torch.arange(S, device=dev)                           # [A, S]
+        cos, sin = rope_cos_sin(q_pos, self.cfg.head_dim, self.cfg.rope_theta, dt)       # [A, S, D]
+        k_pos = torch.arange(T, device=dev)
+        ctx_vis = k_pos[None, None, :] < anchors[:, None, None]                          # [A, 1, T]
+        x = noise_emb
+        nh, nkv, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        for layer in self.layers:
+            att = layer.self_attn
+            k_ctx, v_ctx = att.kv(ctx, c_cos, c_sin)                                     # [1, Hkv, T, D]
+            h = layer.input_layernorm(x)
+            q = apply_rope(att.q_norm(att.q_proj(h).view(A, S, nh, hd)).transpose(1, 2), cos, sin)
+            k_blk, v_blk = att.kv(h, cos, sin)                                           # [A, Hkv, S, D]
+            k = torch.cat([k_ctx.expand(A, -1, -1, -1), k_blk], 2).repeat_interleave(nh // nkv, dim=1)
+            v = torch.cat([v_ctx.expand(A, -1, -1, -1), v_blk], 2).repeat_interleave(nh // nkv, dim=1)
+            vis = torch.cat([ctx_vis.expand(A, S, T), torch.ones(A, S, S, dtype=torch.bool, device=dev)], -1)
+            if att.sliding and self.cfg.sliding_window:
+                all_pos = torch.cat([k_pos.expand(A, T), q_pos], dim=1)                  # [A, T+S]
+                vis = vis & (all_pos[:, None, :] > q_pos[:, :, None] - self.cfg.sliding_window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=vis[:, None], scale=hd ** -0.5)
+            x = x + att.o_proj(o.transpose(1, 2).reshape(A, S, nh * hd))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
     @torch.no_grad()
     def draft(self, cache: DFlashCache, bonus: torch.Tensor, embed: nn.Module | torch.Tensor,
               lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,118 @@
+"""python -m pipelines.collect --config collect.yaml
+
+Rolls out the target on prompts and writes validated Arrow/Parquet shards + manifest.json (DESIGN.md section 3).
+On a cluster:  ray job submit --working-dir . -- python -m pipelines.collect --config collect.yaml
+Without one, a local Ray starts. Re-running with the same config resumes: finished shards are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from pipelines.collect.config import CollectConfig
+from pipelines.collect.inputs import fingerprint, list_input_files, read_records, tokenize
+from pipelines.collect.models import check_pair, load_tokenizer
+from pipelines.collect.shards import Manifest
+from pipelines.provenance import provenance
+from tfm_runtime.io import atomic_write_json
+
+log = logging.getLogger("tfm.collect")
+
+
+def plan(cfg: CollectConfig, samples, manifest: Manifest, data_hash: str) -> tuple[list[dict], int]:
+    """Fixed-size shards over the usable samples in input order -> (work for unfinished shards, shards done)."""
+    work, done = [], 0
+    for k, start in enumerate(range(0, len(samples), cfg.samples_per_shard)):
+        chunk = samples[start:start + cfg.samples_per_shard]
+        name = f"shard-{k:05d}-{data_hash}.parquet"
+        span = [chunk[0].sample_id, chunk[-1].sample_id]
+        if manifest.done(name, span):
+            done += 1
+            continue
+        item = {"shard": k, "name": name, "samples": span, "sample_ids": [s.sample_id for s in chunk],
+                "prompt_ids": [s.prompt_ids for s in chunk]}
+        if cfg.response == "keep":
+            item["response_ids"] = [s.response_ids for s in chunk]
+        work.append(item)
+    return work, done
+
+
+def run(cfg: CollectConfig, progress: bool = True) -> dict:
+    """Validate everything, then collect. Returns the closing summary."""
+    t_start = time.perf_counter()
+    contract = check_pair(cfg)                               # incompatible drafter / missing models: fail now
+    files = list_input_files(cfg.inputs)
+    records = read_records(files)                            # unreadable input: fail now
+    tok = load_tokenizer(cfg.target)
+    samples, skipped = tokenize(records, tok, prompt_field=cfg.prompt_field, response=cfg.response,
+                                max_prompt_tokens=cfg.max_prompt_tokens, limit=cfg.limit)
+    data_hash = cfg.data_hash() + "-" + fingerprint(files)[:6]
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    header = {"schema_version": contract.shard_schema_version, "contract": contract.to_dict(),
+              "config_hash": data_hash, "config": cfg.to_dict(), "provenance": provenance(),
+              "mode": "text_only" if cfg.text_only else "anchors", "inputs": files}
+    manifest = Manifest(os.path.join(cfg.output_dir, "manifest.json"), header)
+    manifest.data["skipped"] = dict(skipped)
+    manifest.save()
+    atomic_write_json(os.path.join(cfg.output_dir, "collect_config.json"), {**cfg.to_dict(), "hash": data_hash})
+    work, done = plan(cfg, samples, manifest, data_hash)
+    log.info("%d usable samples (%d skipped: %s); %d shards to write, %d already done", len(samples),
+             sum(skipped.values()), dict(skipped), len(work), done)
+    if work:
+        import ray
+        from tqdm.auto import tqdm
+
+        from pipelines.collect.job import build_dataset
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+                     ignore_reinit_error=True, logging_level=logging.WARNING)
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False                     # our own bar counts shards
+        ctx.print_on_execution_start = False
+        ds = build_dataset(cfg, contract.to_dict(), work)
+        with tqdm(total=len(work), desc="shards", unit="shard", disable=not progress) as bar:
+            for row in ds.iter_rows():
+                manifest.add(row["name"], json.loads(row["facts"]))
+                bar.update(1)
+    return summarize(manifest, time.perf_counter() - t_start)
+
+
+def summarize(manifest: Manifest, seconds: float) -> dict:
+    shards = manifest.data["shards"].values()
+    rows, size = sum(s["rows"] for s in shards), sum(s["bytes"] for s in shards)
+    toks = sum(s.get("new_tokens", 0) for s in shards)
+    roll = sum(s.get("rollout_seconds", 0.0) for s in shards)
+    feat = sum(s.get("featurize_seconds", 0.0) for s in shards)
+    return {"shards": len(manifest.data["shards"]), "rows": rows, "bytes": size,
+            "bytes_per_row": size / max(1, rows), "bytes_per_response_token": size / max(1, toks),
+            "response_tokens": toks, "rollout_tokens_per_s": toks / roll if roll else None,
+            "rows_per_s_featurize": rows / feat if feat else None, "wall_seconds": round(seconds, 2),
+            "skipped": manifest.data["skipped"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipelines.collect", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="YAML or JSON file with the CollectConfig fields")
+    ap.add_argument("--output-dir", help="override config.output_dir")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg = CollectConfig.load(args.config)
+        if args.output_dir:
+            cfg.output_dir = args.output_dir
+        summary = run(cfg, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        log.error("%s", e)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

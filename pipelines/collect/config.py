@@ -1,0 +1,109 @@
+"""Typed configuration of the collect job, loaded from YAML/JSON, validated before any work."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+RESPONSE_MODES = ("regenerate", "keep")
+INPUT_FORMATS = ("auto", "prompt", "sharegpt")
+
+
+@dataclass
+class ModelSpec:
+    """A target or drafter: `tiny:<family>[:seed]` (built in code), a local folder, or a Hub id."""
+    path: str
+    revision: str | None = None
+    gguf_file: str | None = None          # transformers gguf_file= (e.g. the SmolLM2 GGUF shipped on PyPI)
+    dtype: str = "auto"                   # auto | float32 | bfloat16 | float16 | float64
+
+
+@dataclass
+class CollectConfig:
+    target: ModelSpec
+    drafter: ModelSpec
+    inputs: list[str]                     # jsonl/json/parquet files or folders of them
+    output_dir: str
+    input_format: str = "auto"            # prompt: {"prompt": str} | sharegpt: {"conversations": [...]}
+    prompt_field: str = "prompt"
+    response: str = "regenerate"          # regenerate by the target, or keep the dataset's response
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 2048         # longer prompts are skipped and counted
+    anchors_per_sequence: int = 16
+    candidate_pool: int = 512             # K: DFlash top-K per depth
+    target_topk: int = 32                 # k: target distribution kept per depth
+    text_only: bool = False               # token ids of the regenerated sequences only (drafter training)
+    samples_per_shard: int = 64
+    limit: int | None = None              # first N inputs only
+    seed: int = 0
+    num_actors: int = 1                   # model replicas (Ray actors) per stage
+    gpus_per_actor: float = 0.0
+    rollout_batch_size: int = 32
+    device: str = "auto"                  # auto | cpu | cuda
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("target", "drafter"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                setattr(self, name, ModelSpec(v))
+            elif isinstance(v, dict):
+                setattr(self, name, ModelSpec(**v))
+        if isinstance(self.inputs, str):
+            self.inputs = [self.inputs]
+        checks = [("response", self.response in RESPONSE_MODES, f"one of {RESPONSE_MODES}"),
+                  ("input_format", self.input_format in INPUT_FORMATS, f"one of {INPUT_FORMATS}"),
+                  ("temperature", self.temperature >= 0, ">= 0"),
+                  ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+                  ("max_prompt_tokens", self.max_prompt_tokens >= 1, ">= 1"),
+                  ("anchors_per_sequence", self.anchors_per_sequence >= 1, ">= 1"),
+                  ("candidate_pool", self.candidate_pool >= 1, ">= 1"),
+                  ("target_topk", self.target_topk >= 1, ">= 1"),
+                  ("samples_per_shard", self.samples_per_shard >= 1, ">= 1"),
+                  ("num_actors", self.num_actors >= 1, ">= 1"),
+                  ("inputs", len(self.inputs) >= 1, "at least one path")]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"collect config: {name} must be {expected}, got {getattr(self, name)!r}")
+
+    # ---- files ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict) -> "CollectConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"collect config: unknown keys {unknown}; known keys are {sorted(known)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING and f.name not in d)
+        if missing:
+            raise ValueError(f"collect config: missing required keys {missing}")
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str) -> "CollectConfig":
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"collect config file {path!r} does not exist")
+        with open(path) as f:
+            text = f.read()
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+            d = yaml.safe_load(text)
+        else:
+            d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError(f"collect config {path!r}: expected a mapping at the top level, got {type(d).__name__}")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def data_hash(self) -> str:
+        """Hash of every setting that changes the rows (not parallelism or batch sizes): shards written under
+        another hash are not reused on resume."""
+        d = self.to_dict()
+        for k in ("num_actors", "gpus_per_actor", "rollout_batch_size", "device", "output_dir", "limit"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]

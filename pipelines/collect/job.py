@@ -1,0 +1,120 @@
+"""The collect job on Ray Data: plan shards -> Rollout -> Featurize -> ShardWriter -> manifest.
+
+One row of the Ray dataset is one shard's worth of samples (`samples_per_shard`, fixed by the input order), so
+shard names and contents are deterministic and a re-run skips the shards the manifest already holds with the same
+config hash. Each stage is a callable class that loads its models once per actor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from pipelines.collect.config import CollectConfig
+from pipelines.collect.features import concat_rows, featurize
+from pipelines.collect.inputs import Sample
+from pipelines.collect.models import load_models, load_tokenizer, resolve_device
+from pipelines.collect.shards import anchor_columns, to_table, validate, write_shard
+
+
+def _samples(batch) -> list[Sample]:
+    rows = batch.to_pylist()[0]
+    resp = rows.get("response_ids") or [None] * len(rows["sample_ids"])
+    return [Sample(s, p, r) for s, p, r in zip(rows["sample_ids"], rows["prompt_ids"], resp)]
+
+
+class Rollout:
+    """Regenerates the responses of one shard with the target."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = CollectConfig.from_dict(cfg)
+        self.device = resolve_device(self.cfg)
+        self.target, _ = load_models(self.cfg, self.device)
+        self.tok = load_tokenizer(self.cfg.target)
+
+    def __call__(self, batch: pa.Table) -> dict:
+        from pipelines.collect.rollout import regenerate
+        row = batch.to_pylist()[0]
+        t0 = time.perf_counter()
+        resp = regenerate(self.target.model, row["prompt_ids"], max_new_tokens=self.cfg.max_new_tokens,
+                          temperature=self.cfg.temperature, eos_token_id=self.tok.eos_token_id,
+                          pad_token_id=self.tok.pad_token_id, batch_size=self.cfg.rollout_batch_size,
+                          seed=self.cfg.seed * 1_000_003 + row["shard"])
+        return {**{k: [v] for k, v in row.items()}, "response_ids": [resp],
+                "rollout_seconds": [time.perf_counter() - t0]}
+
+
+class Featurize:
+    """Target + DFlash features of one shard's anchors, as an Arrow table (IPC bytes)."""
+
+    def __init__(self, cfg: dict, contract: dict):
+        self.cfg = CollectConfig.from_dict(cfg)
+        self.contract = contract
+        self.device = resolve_device(self.cfg)
+        self.target, self.drafter = load_models(self.cfg, self.device)
+
+    def __call__(self, batch: pa.Table) -> dict:
+        row = batch.to_pylist()[0]
+        samples = _samples(batch)
+        t0 = time.perf_counter()
+        if self.cfg.text_only:
+            ids = [s.prompt_ids + s.response_ids for s in samples]
+            table = pa.table({"sample_id": pa.array([s.sample_id for s in samples], pa.int64()),
+                              "input_ids": pa.array(ids, pa.list_(pa.int32())),
+                              "prompt_len": pa.array([len(s.prompt_ids) for s in samples], pa.int32())})
+            table = table.replace_schema_metadata({"tfm.contract": json.dumps(self.contract)})
+        else:
+            rows = concat_rows([featurize(self.target, self.drafter, s, anchors_per_sequence=self.cfg.anchors_per_sequence,
+                                          candidate_pool=self.cfg.candidate_pool, target_topk=self.cfg.target_topk,
+                                          seed=self.cfg.seed) for s in samples])
+            c = self.contract
+            cols = anchor_columns(c["lookahead"], c["target_hidden_size"], c["candidate_pool"],
+                                  min(self.cfg.target_topk, c["vocab_size"]))
+            if not rows:
+                rows = {n: np.zeros((0, *shape), dtype=np.float32 if dt == "bf16" else dt)
+                        for n, (dt, shape) in cols.items()}
+            validate(rows, {s.sample_id: s.prompt_ids + s.response_ids for s in samples}, c["vocab_size"])
+            table = to_table(rows, cols, {"contract": c})
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+        tokens = sum(len(s.response_ids) for s in samples)
+        return {"shard": [row["shard"]], "name": [row["name"]], "samples": [row["samples"]],
+                "table": [sink.getvalue().to_pybytes()], "new_tokens": [tokens],
+                "rollout_seconds": [row.get("rollout_seconds", 0.0)],
+                "featurize_seconds": [time.perf_counter() - t0]}
+
+
+class ShardWriter:
+    """Writes one shard atomically into the output folder and reports its facts."""
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+
+    def __call__(self, batch: pa.Table) -> dict:
+        row = batch.to_pylist()[0]
+        table = pa.ipc.open_stream(row["table"]).read_all()
+        facts = write_shard(table, os.path.join(self.output_dir, row["name"]))
+        return {"name": [row["name"]], "facts": [json.dumps({**facts, "samples": row["samples"],
+                                                             "new_tokens": row["new_tokens"],
+                                                             "rollout_seconds": row["rollout_seconds"],
+                                                             "featurize_seconds": row["featurize_seconds"]})]}
+
+
+def build_dataset(cfg: CollectConfig, contract: dict, work: list[dict]):
+    """work: one dict per shard to produce -> a lazy Ray dataset of written-shard facts."""
+    import ray
+    ds = ray.data.from_items(work, override_num_blocks=max(1, len(work)))
+    res = {"num_gpus": cfg.gpus_per_actor} if cfg.gpus_per_actor else {}
+    pool = ray.data.ActorPoolStrategy(size=cfg.num_actors)
+    d = cfg.to_dict()
+    if cfg.response == "regenerate":
+        ds = ds.map_batches(Rollout, fn_constructor_kwargs={"cfg": d}, batch_size=1, batch_format="pyarrow",
+                            compute=pool, **res)
+    ds = ds.map_batches(Featurize, fn_constructor_kwargs={"cfg": d, "contract": contract}, batch_size=1,
+                        batch_format="pyarrow", compute=pool, **res)
+    return ds.map_batches(ShardWriter, fn_constructor_kwargs={"output_dir": cfg.output_dir}, batch_size=1,
+                          batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1))

@@ -1,0 +1,117 @@
+"""Load the target, its tokenizer and the DFlash drafter named by a collect config; check them against each other
+before any work (from configs only, no weights)."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from pipelines.collect.config import CollectConfig, ModelSpec
+from tfm_runtime.contract import Contract, ContractError, tokenizer_hash
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+TINY_VOCAB = 262
+
+
+def _tiny(spec: ModelSpec) -> tuple[str, int] | None:
+    if not spec.path.startswith("tiny:"):
+        return None
+    parts = spec.path.split(":")
+    return parts[1], int(parts[2]) if len(parts) > 2 else 0
+
+
+def resolve_device(cfg: CollectConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def resolve_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if spec.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {spec.dtype!r}")
+    return DTYPES[spec.dtype]
+
+
+def load_tokenizer(spec: ModelSpec):
+    if _tiny(spec):
+        from tfm_runtime.worlds import tiny_tokenizer
+        return tiny_tokenizer(TINY_VOCAB)
+    from transformers import AutoTokenizer
+    kw = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    return AutoTokenizer.from_pretrained(spec.path, revision=spec.revision, **kw)
+
+
+def target_facts(spec: ModelSpec) -> dict:
+    """vocab size, hidden size and layer count of the target, from its config only."""
+    tiny = _tiny(spec)
+    if tiny:
+        from tfm_runtime.worlds import tiny_target_config
+        c = tiny_target_config(tiny[0], TINY_VOCAB, 64, 6)
+    else:
+        if not spec.gguf_file and not os.path.isdir(spec.path) and os.path.sep in spec.path:
+            raise FileNotFoundError(f"target model path {spec.path!r} does not exist")
+        from transformers import AutoConfig
+        kw = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+        try:
+            c = AutoConfig.from_pretrained(spec.path, revision=spec.revision, **kw)
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(f"target model {spec.path!r} could not be found or read: {e}") from e
+    return {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_layers": c.num_hidden_layers}
+
+
+def drafter_config(spec: ModelSpec):
+    from tfm_runtime.models.dflash import DFlashConfig
+    tiny = _tiny(spec)
+    if tiny:
+        from tfm_runtime.worlds import tiny_world
+        return tiny_world(tiny[0], seed=tiny[1], vocab_size=TINY_VOCAB).drafter.cfg
+    path = os.path.join(spec.path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"drafter {spec.path!r}: expected a DFlash folder with config.json")
+    with open(path) as f:
+        return DFlashConfig.from_hf_dict(json.load(f))
+
+
+def check_pair(cfg: CollectConfig) -> Contract:
+    """Raise (before any work) when the drafter cannot serve the target; return the run's contract."""
+    t, d = target_facts(cfg.target), drafter_config(cfg.drafter)
+    for name, expected, actual in [("vocab_size", t["vocab_size"], d.vocab_size),
+                                   ("target_hidden_size", t["hidden_size"], d.hidden_size),
+                                   ("num_target_layers", t["num_layers"], d.num_target_layers)]:
+        if expected != actual:
+            raise ContractError(name, expected, actual, f"drafter {cfg.drafter.path} vs target {cfg.target.path}")
+    bad = [i for i in d.target_layer_ids if not 0 <= i < t["num_layers"]]
+    if bad:
+        raise ContractError("tap_layer_ids", f"ids in [0, {t['num_layers'] - 1}]", d.target_layer_ids,
+                            f"drafter {cfg.drafter.path}")
+    tok = load_tokenizer(cfg.target)
+    return Contract(target_id=cfg.target.path, target_revision=cfg.target.revision, drafter_id=cfg.drafter.path,
+                    drafter_revision=cfg.drafter.revision, vocab_size=t["vocab_size"],
+                    target_hidden_size=t["hidden_size"], drafter_hidden_size=d.hidden_size,
+                    tap_layer_ids=tuple(d.target_layer_ids), block_size=d.block_size, mask_token_id=d.mask_token_id,
+                    candidate_pool=min(cfg.candidate_pool, t["vocab_size"]), lookahead=d.block_size - 1,
+                    tokenizer_hash=tokenizer_hash(tok))
+
+
+def load_models(cfg: CollectConfig, device: torch.device):
+    """-> (TargetModel with the drafter's taps, DFlashDrafter), on `device`, eval mode."""
+    from tfm_runtime.models import DFlashDrafter, TargetModel
+    from tfm_runtime.worlds import tiny_world
+    dtype = resolve_dtype(cfg.target, device)
+    t_tiny, d_tiny = _tiny(cfg.target), _tiny(cfg.drafter)
+    if d_tiny:
+        drafter = tiny_world(d_tiny[0], seed=d_tiny[1], vocab_size=TINY_VOCAB, dtype=dtype).drafter
+    else:
+        drafter = DFlashDrafter.from_pretrained(cfg.drafter.path, dtype=dtype)
+    if t_tiny:
+        model = tiny_world(t_tiny[0], seed=t_tiny[1], vocab_size=TINY_VOCAB, dtype=dtype).target.model
+    else:
+        from transformers import AutoModelForCausalLM
+        kw = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(cfg.target.path, revision=cfg.target.revision, dtype=dtype,
+                                                     **kw)
+    target = TargetModel(model.to(device).eval(), drafter.cfg.target_layer_ids)
+    return target, drafter.to(device).eval()

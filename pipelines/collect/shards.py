@@ -1,0 +1,118 @@
+"""The shard format: Parquet (zstd), one row per anchor (or per sequence in text-only mode), plus manifest.json.
+
+Tensors are flattened fixed-size lists; their shapes are in the schema metadata ("tfm.shapes"). bf16 tensors are
+stored as their raw 16-bit patterns (uint16), since Arrow has no bfloat16: `decode_bf16` turns them back.
+This module is the one place the columns are defined; collect writes with it and train reads with it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tfm_runtime.contract import SHARD_SCHEMA_VERSION
+from tfm_runtime.io import atomic_path, atomic_write_json
+
+
+def anchor_columns(L: int, H: int, K: int, k: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """column -> (storage dtype, per-row shape)."""
+    return {"sample_id": ("int64", ()), "anchor_pos": ("int64", ()), "root_token": ("int32", ()),
+            "h_final": ("bf16", (H,)), "dflash_hidden": ("bf16", (L, H)),
+            "cand_ids": ("int32", (L, K)), "cand_logits": ("bf16", (L, K)),
+            "true_tokens": ("int32", (L,)), "target_topk_ids": ("int32", (L, k)),
+            "target_topk_logprobs": ("bf16", (L, k)), "loss_mask": ("bool", (L,))}
+
+
+def encode_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns (round to nearest even) as uint16."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def decode_bf16(x: np.ndarray) -> np.ndarray:
+    return (np.asarray(x, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _arrow(values: np.ndarray, dtype: str, shape: tuple[int, ...]) -> pa.Array:
+    if dtype == "bf16":
+        values = encode_bf16(values)
+    flat = pa.array(np.ascontiguousarray(values).reshape(-1))
+    return pa.FixedSizeListArray.from_arrays(flat, int(np.prod(shape))) if shape else flat
+
+
+def to_table(rows: dict[str, np.ndarray], columns: dict[str, tuple[str, tuple[int, ...]]], meta: dict) -> pa.Table:
+    arrays = {name: _arrow(rows[name], dt, shape) for name, (dt, shape) in columns.items()}
+    table = pa.table(arrays)
+    md = {"tfm.shapes": json.dumps({n: [dt, list(s)] for n, (dt, s) in columns.items()}),
+          "tfm.schema_version": str(SHARD_SCHEMA_VERSION), **{f"tfm.{k}": json.dumps(v) for k, v in meta.items()}}
+    return table.replace_schema_metadata(md)
+
+
+def column(table: pa.Table, name: str) -> np.ndarray:
+    """A column back as a numpy array of shape [rows, *shape] (bf16 decoded to float32)."""
+    shapes = json.loads(table.schema.metadata[b"tfm.shapes"])
+    dt, shape = shapes[name]
+    col = table.column(name).combine_chunks()
+    flat = col.flatten().to_numpy(zero_copy_only=False) if shape else col.to_numpy(zero_copy_only=False)
+    arr = flat.reshape(len(table), *shape)
+    return decode_bf16(arr) if dt == "bf16" else arr
+
+
+def validate(rows: dict[str, np.ndarray], sequences: dict[int, list[int]], vocab_size: int) -> None:
+    """Refuse a shard whose rows are not finite, mis-shaped or misaligned with their token sequences."""
+    n = len(rows["sample_id"])
+    for name, arr in rows.items():
+        if arr.shape[0] != n:
+            raise ValueError(f"shard validation: column {name} has {arr.shape[0]} rows, expected {n}")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise ValueError(f"shard validation: column {name} has non-finite values")
+    for name in ("cand_ids", "root_token"):
+        if (rows[name] < 0).any() or (rows[name] >= vocab_size).any():
+            raise ValueError(f"shard validation: {name} outside [0, {vocab_size})")
+    for r in range(n):
+        seq, a = sequences[int(rows["sample_id"][r])], int(rows["anchor_pos"][r])
+        L = rows["true_tokens"].shape[1]
+        if rows["root_token"][r] != seq[a]:
+            raise ValueError(f"shard validation: sample {rows['sample_id'][r]} anchor {a}: root token misaligned")
+        want = np.array([seq[a + 1 + d] if a + 1 + d < len(seq) else -1 for d in range(L)], dtype=np.int32)
+        if not np.array_equal(rows["true_tokens"][r], want) or not np.array_equal(rows["loss_mask"][r], want >= 0):
+            raise ValueError(f"shard validation: sample {rows['sample_id'][r]} anchor {a}: true tokens misaligned")
+
+
+def write_shard(table: pa.Table, path: str) -> dict:
+    """Atomic Parquet (zstd) write -> {"rows", "bytes", "sha256"}."""
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return {"rows": table.num_rows, "bytes": os.path.getsize(path), "sha256": digest}
+
+
+class Manifest:
+    """manifest.json: schema version, contract, config (+hash), provenance, per-shard facts, skipped inputs."""
+
+    def __init__(self, path: str, header: dict):
+        self.path = path
+        self.data = {**header, "shards": {}, "skipped": {}}
+        if os.path.isfile(path):
+            with open(path) as f:
+                old = json.load(f)
+            if old.get("config_hash") == header["config_hash"]:
+                self.data["shards"] = old.get("shards", {})
+
+    def done(self, name: str, samples: list[int]) -> bool:
+        """A shard counts as done when it is listed with the same sample range and its file is intact."""
+        s = self.data["shards"].get(name)
+        p = os.path.join(os.path.dirname(self.path), name)
+        return bool(s) and s["samples"] == samples and os.path.isfile(p) and os.path.getsize(p) == s["bytes"]
+
+    def add(self, name: str, facts: dict) -> None:
+        self.data["shards"][name] = facts
+        self.save()
+
+    def save(self) -> None:
+        atomic_write_json(self.path, self.data)

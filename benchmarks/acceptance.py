@@ -8,7 +8,6 @@ on hardware, so this runs anywhere; with random weights the numbers only check t
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
 

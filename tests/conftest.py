@@ -16,3 +16,16 @@ def worlds64():
     """float64 tiny worlds for every family, built once per session."""
     from tfm_runtime.worlds import FAMILIES, tiny_world
     return {f: tiny_world(f, dtype=torch.float64) for f in FAMILIES}
+
+
+@pytest.fixture()
+def poison_empty(monkeypatch):
+    """Fresh float buffers from torch.empty are NaN, so any output element a kernel forgets to write fails."""
+    import math
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)

@@ -1,5 +1,4 @@
 """Tree attention (Triton) against its float64 reference; CPU runs use the Triton interpreter."""
-import math
 import os
 
 import pytest
@@ -18,16 +17,7 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 
-@pytest.fixture(autouse=True)
-def poison_empty(monkeypatch):
-    """Fresh float buffers are NaN, so any output element the kernel forgets to write fails."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        return t.fill_(math.nan) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", empty)
+pytestmark = pytest.mark.usefixtures("poison_empty")   # unwritten outputs are NaN and fail
 
 
 def rel_rms(ref, out):

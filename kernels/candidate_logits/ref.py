@@ -45,13 +45,7 @@ def candidate_logits_full_head(hidden, weight, cand, inv_temperature=None, bias=
     valid = (cand >= 0) & (cand < V)
     full = (hidden @ weight.T).float()  # [M, Vocab]
     logits = torch.gather(full, 1, torch.where(valid, cand, 0).long())
-    if inv_temperature is not None:
-        inv = torch.as_tensor(inv_temperature, dtype=torch.float32, device=hidden.device)
-        logits = logits * (inv[:, None] if inv.dim() == 1 else inv)
-    if bias is not None:
-        logits = logits + bias
-    logits = logits.masked_fill(~valid, -math.inf)
-    return logits, torch.log_softmax(logits, -1)
+    return _finish(logits, valid, inv_temperature, bias)
 
 
 def candidate_logits_gather(hidden, weight, cand, inv_temperature=None, bias=None):
@@ -60,8 +54,13 @@ def candidate_logits_gather(hidden, weight, cand, inv_temperature=None, bias=Non
     valid = (cand >= 0) & (cand < V)
     Wc = weight[torch.where(valid, cand, 0).long()]  # [M, Kc, Dm]
     logits = torch.bmm(Wc, hidden[:, :, None]).float()[..., 0]
+    return _finish(logits, valid, inv_temperature, bias)
+
+
+def _finish(logits, valid, inv_temperature, bias):
+    """Temperature, bias, padding mask and log-softmax, shared by the torch baselines."""
     if inv_temperature is not None:
-        inv = torch.as_tensor(inv_temperature, dtype=torch.float32, device=hidden.device)
+        inv = torch.as_tensor(inv_temperature, dtype=torch.float32, device=logits.device)
         logits = logits * (inv[:, None] if inv.dim() == 1 else inv)
     if bias is not None:
         logits = logits + bias

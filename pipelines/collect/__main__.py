@@ -85,11 +85,12 @@ def summarize(manifest: Manifest, seconds: float) -> dict:
     shards = manifest.data["shards"].values()
     rows, size = sum(s["rows"] for s in shards), sum(s["bytes"] for s in shards)
     toks = sum(s.get("new_tokens", 0) for s in shards)
+    seq_toks = sum(s.get("sequence_tokens", 0) for s in shards)
     roll = sum(s.get("rollout_seconds", 0.0) for s in shards)
     feat = sum(s.get("featurize_seconds", 0.0) for s in shards)
     return {"shards": len(manifest.data["shards"]), "rows": rows, "bytes": size,
             "bytes_per_row": size / max(1, rows), "bytes_per_response_token": size / max(1, toks),
-            "response_tokens": toks, "rollout_tokens_per_s": toks / roll if roll else None,
+            "response_tokens": toks, "sequence_tokens": seq_toks, "rollout_tokens_per_s": toks / roll if roll else None,
             "rows_per_s_featurize": rows / feat if feat else None, "wall_seconds": round(seconds, 2),
             "skipped": manifest.data["skipped"]}
 

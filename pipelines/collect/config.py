@@ -35,6 +35,7 @@ class CollectConfig:
     anchors_per_sequence: int = 16
     candidate_pool: int = 512             # K: DFlash top-K per depth
     target_topk: int = 32                 # k: target distribution kept per depth
+    store_candidates: bool = True         # False: no cand_ids/cand_logits (= top-K of lm_head(dflash_hidden))
     text_only: bool = False               # token ids of the regenerated sequences only (drafter training)
     samples_per_shard: int = 64
     limit: int | None = None              # first N inputs only

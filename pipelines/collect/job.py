@@ -67,15 +67,17 @@ class Featurize:
                               "prompt_len": pa.array([len(s.prompt_ids) for s in samples], pa.int32())})
             table = table.replace_schema_metadata({"tfm.contract": json.dumps(self.contract)})
         else:
-            rows = concat_rows([featurize(self.target, self.drafter, s, anchors_per_sequence=self.cfg.anchors_per_sequence,
-                                          candidate_pool=self.cfg.candidate_pool, target_topk=self.cfg.target_topk,
-                                          seed=self.cfg.seed) for s in samples])
+            c = self.cfg
+            rows = concat_rows([featurize(self.target, self.drafter, s, anchors_per_sequence=c.anchors_per_sequence,
+                                          candidate_pool=c.candidate_pool, target_topk=c.target_topk, seed=c.seed)
+                                for s in samples])
             c = self.contract
             cols = anchor_columns(c["lookahead"], c["target_hidden_size"], c["candidate_pool"],
-                                  min(self.cfg.target_topk, c["vocab_size"]))
+                                  min(self.cfg.target_topk, c["vocab_size"]), self.cfg.store_candidates)
             if not rows:
                 rows = {n: np.zeros((0, *shape), dtype=np.float32 if dt == "bf16" else dt)
                         for n, (dt, shape) in cols.items()}
+            rows = {n: rows[n] for n in cols}
             validate(rows, {s.sample_id: s.prompt_ids + s.response_ids for s in samples}, c["vocab_size"])
             table = to_table(rows, cols, {"contract": c})
         sink = pa.BufferOutputStream()
@@ -84,6 +86,7 @@ class Featurize:
         tokens = sum(len(s.response_ids) for s in samples)
         return {"shard": [row["shard"]], "name": [row["name"]], "samples": [row["samples"]],
                 "table": [sink.getvalue().to_pybytes()], "new_tokens": [tokens],
+                "sequence_tokens": [sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)],
                 "rollout_seconds": [row.get("rollout_seconds", 0.0)],
                 "featurize_seconds": [time.perf_counter() - t0]}
 
@@ -100,6 +103,7 @@ class ShardWriter:
         facts = write_shard(table, os.path.join(self.output_dir, row["name"]))
         return {"name": [row["name"]], "facts": [json.dumps({**facts, "samples": row["samples"],
                                                              "new_tokens": row["new_tokens"],
+                                                             "sequence_tokens": row["sequence_tokens"],
                                                              "rollout_seconds": row["rollout_seconds"],
                                                              "featurize_seconds": row["featurize_seconds"]})]}
 
@@ -108,7 +112,10 @@ def build_dataset(cfg: CollectConfig, contract: dict, work: list[dict]):
     """work: one dict per shard to produce -> a lazy Ray dataset of written-shard facts."""
     import ray
     ds = ray.data.from_items(work, override_num_blocks=max(1, len(work)))
-    res = {"num_gpus": cfg.gpus_per_actor} if cfg.gpus_per_actor else {}
+    # No actor restarts: a failed run is resumed from the manifest instead. Ray Data's default (max_restarts=-1)
+    # also logs an error line per actor, since its actors take a constructor argument from the object store
+    # (ray-project/ray#53727, #57733).
+    res = {"max_restarts": 0, **({"num_gpus": cfg.gpus_per_actor} if cfg.gpus_per_actor else {})}
     pool = ray.data.ActorPoolStrategy(size=cfg.num_actors)
     d = cfg.to_dict()
     if cfg.response == "regenerate":
@@ -116,5 +123,8 @@ def build_dataset(cfg: CollectConfig, contract: dict, work: list[dict]):
                             compute=pool, **res)
     ds = ds.map_batches(Featurize, fn_constructor_kwargs={"cfg": d, "contract": contract}, batch_size=1,
                         batch_format="pyarrow", compute=pool, **res)
+    # The writer only does file I/O: it reserves no CPU, so it runs beside the model stages and shards land (and
+    # reach the manifest) while the rest is still computing, instead of after the model actors are torn down.
     return ds.map_batches(ShardWriter, fn_constructor_kwargs={"output_dir": cfg.output_dir}, batch_size=1,
-                          batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1))
+                          batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0,
+                          max_restarts=0)

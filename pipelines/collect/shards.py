@@ -18,13 +18,16 @@ from tfm_runtime.contract import SHARD_SCHEMA_VERSION
 from tfm_runtime.io import atomic_path, atomic_write_json
 
 
-def anchor_columns(L: int, H: int, K: int, k: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """column -> (storage dtype, per-row shape)."""
-    return {"sample_id": ("int64", ()), "anchor_pos": ("int64", ()), "root_token": ("int32", ()),
+def anchor_columns(L: int, H: int, K: int, k: int, candidates: bool = True) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """column -> (storage dtype, per-row shape). Without `candidates`, cand_ids/cand_logits are left out."""
+    cols = {"sample_id": ("int64", ()), "anchor_pos": ("int64", ()), "root_token": ("int32", ()),
             "h_final": ("bf16", (H,)), "dflash_hidden": ("bf16", (L, H)),
             "cand_ids": ("int32", (L, K)), "cand_logits": ("bf16", (L, K)),
             "true_tokens": ("int32", (L,)), "target_topk_ids": ("int32", (L, k)),
             "target_topk_logprobs": ("bf16", (L, k)), "loss_mask": ("bool", (L,))}
+    if not candidates:
+        cols.pop("cand_ids"), cols.pop("cand_logits")
+    return cols
 
 
 def encode_bf16(x: np.ndarray) -> np.ndarray:
@@ -70,9 +73,12 @@ def validate(rows: dict[str, np.ndarray], sequences: dict[int, list[int]], vocab
             raise ValueError(f"shard validation: column {name} has {arr.shape[0]} rows, expected {n}")
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise ValueError(f"shard validation: column {name} has non-finite values")
-    for name in ("cand_ids", "root_token"):
-        if (rows[name] < 0).any() or (rows[name] >= vocab_size).any():
-            raise ValueError(f"shard validation: {name} outside [0, {vocab_size})")
+    for name in ("cand_ids", "root_token", "target_topk_ids"):
+        if name not in rows:
+            continue
+        lo = -1 if name == "target_topk_ids" else 0
+        if (rows[name] < lo).any() or (rows[name] >= vocab_size).any():
+            raise ValueError(f"shard validation: {name} outside [{lo}, {vocab_size})")
     for r in range(n):
         seq, a = sequences[int(rows["sample_id"][r])], int(rows["anchor_pos"][r])
         L = rows["true_tokens"].shape[1]

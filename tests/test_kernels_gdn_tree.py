@@ -246,15 +246,19 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("n,kind", [(16, "chain"), (65, "eagle"), (129, "spine")])
-def test_gpu_real_shape_bf16_tf32(n, kind):
+@pytest.mark.parametrize("n,kind,cfg", [(16, "chain", None), (65, "eagle", (16, 32, 4)),
+                                        (65, "eagle", (32, 16, 4)), (65, "eagle", (64, 64, 8)),
+                                        (129, "spine", None), (129, "spine", (16, 16, 4)),
+                                        (129, "spine", (32, 64, 8)), (129, "spine", (64, 64, 8))])
+def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     """Qwen3.6-27B GDN shape, bf16 inputs, tf32 dots: o within bf16 rounding, commit < 2e-3."""
     gen = torch.Generator().manual_seed(n)
     parent, num = make_batch(1, n, [n], kind, gen, p_chain=0.7)
     q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num, sidx)]
     dpool = pool.cuda()
-    o, stash = tree_gdn_verify(*d[:7], dpool, d[7])
+    bt, bv, nw = cfg or (None, None, None)
+    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw)
     ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)

@@ -3,11 +3,21 @@
 S_new = e^{G_leaf} S0 + K_path^T diag(e^{G_leaf - G_path}) V'_path: one read and one write of the
 state per (request, value head), plus a [K x BC] @ [BC x BV] dot per BC-node block of the path.
 """
-import torch
 import triton
 import triton.language as tl
 
-from .verify import GDNTreeStash, load_qk_block
+from .verify import GDNTreeStash
+
+
+@triton.jit
+def load_qk_block(x, rows, m_rows, i_b, i_h, o_k, m_k, N: tl.constexpr, H: tl.constexpr,
+                  K: tl.constexpr, USE_L2NORM: tl.constexpr):
+    # [BC, BK] rows of q or k for one head, fp32, L2-normalised if asked
+    b_x = tl.load(x + ((i_b * N + rows[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_rows[:, None] & m_k[None, :], other=0.).to(tl.float32)
+    if USE_L2NORM:
+        b_x = b_x / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
+    return b_x
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Per-step tree metadata shared by every GDN layer: parent checks and ancestor bitmasks."""
 import torch
-import triton
-import triton.language as tl
+
+from kernels.tree_utils import ancestor_bitmask
 
 MAX_NODES = 256
 
@@ -29,43 +29,12 @@ def check_parents(parent, num_nodes):
                          f"parent[{b}, {i}] = {int(p[b, i])}; permute the nodes first")
 
 
-@triton.jit
-def tree_ancestor_bits_kernel(parent, num_nodes, anc, jump, N: tl.constexpr, NW: tl.constexpr,
-                              NP: tl.constexpr, NWP: tl.constexpr, LOG: tl.constexpr):
-    # pointer doubling: after round r, row i holds i and its 2^r - 1 nearest ancestors
-    i_b = tl.program_id(0).to(tl.int64)
-    n = tl.load(num_nodes + i_b)
-    o_i = tl.arange(0, NP)
-    o_w = tl.arange(0, NWP)
-    m_i = o_i < n
-    m_st = (o_i < N)[:, None] & (o_w < NW)[None, :]
-    # [NP]
-    b_j = tl.load(parent + i_b * N + o_i, mask=m_i, other=-1).to(tl.int32)
-    b_j = tl.where(m_i & (b_j >= 0), b_j, -1)
-    # [NP, NWP]
-    b_bits = tl.where(m_i[:, None] & ((o_i // 32)[:, None] == o_w[None, :]),
-                      (1 << (o_i % 32))[:, None], 0)
-    p_bits = anc + (i_b * N + o_i[:, None]) * NW + o_w[None, :]
-    tl.store(p_bits, b_bits, mask=m_st)
-    tl.store(jump + i_b * NP + o_i, b_j)
-    for _ in range(LOG):
-        tl.debug_barrier()
-        m_j = b_j >= 0
-        b_pb = tl.load(anc + (i_b * N + b_j[:, None]) * NW + o_w[None, :],
-                       mask=m_j[:, None] & (o_w < NW)[None, :], other=0)
-        b_pj = tl.load(jump + i_b * NP + b_j, mask=m_j, other=-1)
-        tl.debug_barrier()
-        b_bits = b_bits | b_pb
-        b_j = tl.where(m_j, b_pj, -1)
-        tl.store(p_bits, b_bits, mask=m_st)
-        tl.store(jump + i_b * NP + o_i, b_j)
-
-
 def tree_ancestor_bits(parent, num_nodes, check=True):
     """Inclusive ancestor bitmask, built once per step and shared by all layers.
 
     Bit j % 32 of word anc[b, i, j // 32] is set iff node j lies on the path root..i
-    (padding rows are all zero).
+    (padding rows are all zero). A thin wrapper of `kernels.tree_utils.ancestor_bitmask` (the one
+    implementation, shared with tree attention) that adds the host-side parent check.
 
     Args:
         parent: [B, N] int32/int64, topological (see `check_parents`).
@@ -79,19 +48,12 @@ def tree_ancestor_bits(parent, num_nodes, check=True):
         >>> tree_ancestor_bits(parent, n)[0, :, 0].tolist()
         [1, 3, 5, 11]
     """
-    B, N = parent.shape
+    N = parent.shape[1]
     if N > MAX_NODES:
         raise ValueError(f"at most {MAX_NODES} nodes per tree are supported, got N={N}")
     if check:
         check_parents(parent, num_nodes)
-    NW = triton.cdiv(N, 32)
-    NP = triton.next_power_of_2(N)
-    anc = torch.empty(B, N, NW, dtype=torch.int32, device=parent.device)
-    jump = torch.empty(B, NP, dtype=torch.int32, device=parent.device)
-    tree_ancestor_bits_kernel[(B,)](
-        parent.contiguous(), num_nodes.contiguous(), anc, jump, N=N, NW=NW, NP=NP,
-        NWP=triton.next_power_of_2(NW), LOG=max(1, (NP - 1).bit_length()), num_warps=4)
-    return anc
+    return ancestor_bitmask(parent, num_nodes)
 
 
 def ancestor_bits_to_mask(anc, N=None):

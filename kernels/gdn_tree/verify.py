@@ -1,15 +1,16 @@
 """Tree-masked Gated DeltaNet verify: outputs for every node, the committed state read-only.
 
-Two launches. `tree_gdn_prep_kernel` (one program per request, value head and 16-node block)
-computes the path-summed decay G and the inverses (I + A_bb)^{-1} of the 16x16 diagonal
-blocks, all in parallel. `tree_gdn_fwd_kernel` (one program per V-tile, request and value head)
-then runs block forward substitution (left-looking) over blocks of BT rows: for block t,
-    R_t  = beta (V_t - e^{G_t} K_t S0) - sum_{c<t} A_tc V'_c
-    V'_t = (I + A_tt)^{-1} R_t
-    O_t  = e^{G_t} Q_t S0 + sum_{c<=t} (D_tc * Q_t K_c^T) V'_c
-where A and D carry the ancestor mask and the path-summed decay (see ref.py). V'_c of earlier
-blocks is re-read from the `vnew` stash this program wrote; (I + A_tt)^{-1} is merged from the
-16x16 inverses with a block-Neumann product.
+Two launches. `tree_gdn_prep_kernel` (prep.py; one program per BT-node block, request and value
+head, all in parallel) writes the path-summed decay G, the inverse q/k norms, the stacked
+off-diagonal rows AP_t = [A_t,<t ; -P_t,<t] of A (beta_i D_ij k_i.k_j) and P (D_ij q_i.k_j), and
+the block matrices W_t = [[T_t, 0], [P_tt T_t, I]] with T_t = (I + A_tt)^{-1}.
+`tree_gdn_solve_kernel` (one program per V-tile, request and value head) is the only serial part,
+block forward substitution over the blocks t with the stacked [2BT, BV] tiles
+    Y_t          = [beta (V_t - e^G K_t S0) ; e^G Q_t S0] - AP_t V'_<t
+    [V'_t ; O_t] = W_t Y_t
+The first term is one dot of the stacked [k_t ; q_t] rows with S0 (off the serial chain); the
+second takes all earlier blocks at once ([2BT, NPAD] @ [NPAD, BV]), re-reading V'_<t from the
+`vnew` stash this program wrote.
 """
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .prep import state_dot, state_split, tree_gdn_prep_kernel
 from .tree import MAX_NODES, tree_ancestor_bits
 
 
@@ -30,181 +32,88 @@ class GDNTreeStash(NamedTuple):
     state_v_first: bool
 
 
-@triton.jit
-def unit_lower_inverse(b_a, n_rows, BT: tl.constexpr):
-    """(I + A)^{-1} of every 16x16 diagonal block of a strictly lower [BT, BT] fp32 tile.
-
-    The result is block diagonal; rows >= n_rows are left as identity.
-    """
-    o_i = tl.arange(0, BT)
-    m_same = (o_i[:, None] // 16) == (o_i[None, :] // 16)
-    m_eye = o_i[:, None] == o_i[None, :]
-    b_ad = tl.where(m_same, b_a, 0.)
-    b_x = tl.where(m_eye, 1., 0.)
-    # forward substitution X = I - A X inside every block at once: row i of a block only needs
-    # rows < i of the same block, so each step is two reductions
-    for i in range(0, tl.minimum(n_rows, 16)):
-        m_row = (o_i % 16) == i
-        # [BT]: entry c holds A[row i of block(c), c]
-        b_ai = tl.sum(tl.where(m_row[:, None], b_ad, 0.), 0)
-        # [BT]: entry c holds (A X)[row i of block(c), c]; X is block diagonal
-        b_s = tl.sum(b_ai[:, None] * b_x, 0)
-        b_x = tl.where(m_row[:, None] & m_same, tl.where(m_eye, 1., 0.) - b_s[None, :], b_x)
-    return b_x
-
-
-@triton.jit
-def merge_diag_inverses(b_xd, b_a, BT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """(I + A)^{-1} from the inverses X_D of its 16x16 diagonal blocks (BT in 16, 32, 64).
-
-    I + A = (I + D)(I + N) with N = X_D L (L: A off the diagonal blocks), N^(BT/16) = 0, so
-    (I + A)^{-1} = (I - N)(I + N^2) X_D.
-    """
-    if BT > 16:
-        o_i = tl.arange(0, BT)
-        m_same = (o_i[:, None] // 16) == (o_i[None, :] // 16)
-        b_n = tl.dot(b_xd, tl.where(m_same, 0., b_a), input_precision=DOT_PREC)
-        b_xd = b_xd - tl.dot(b_n, b_xd, input_precision=DOT_PREC)
-        if BT > 32:
-            b_n2 = tl.dot(b_n, b_n, input_precision=DOT_PREC)
-            b_xd = b_xd + tl.dot(b_n2, b_xd, input_precision=DOT_PREC)
-    return b_xd
-
-
-@triton.jit
-def load_qk_block(x, rows, m_rows, i_b, i_h, o_k, m_k, N: tl.constexpr, H: tl.constexpr,
-                  K: tl.constexpr, USE_L2NORM: tl.constexpr):
-    # [BT, BK] rows of q or k for one head, fp32, L2-normalised if asked
-    b_x = tl.load(x + ((i_b * N + rows[:, None]) * H + i_h) * K + o_k[None, :],
-                  mask=m_rows[:, None] & m_k[None, :], other=0.).to(tl.float32)
-    if USE_L2NORM:
-        b_x = b_x / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
-    return b_x
-
-
-@triton.jit
-def tree_gdn_prep_kernel(k, g, beta, anc, num_nodes, state_idx, G, dinv,
-                         N: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                         NW: tl.constexpr, N16: tl.constexpr, BK: tl.constexpr,
-                         USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr):
-    # one program per 16-node block: path-summed decay G and (I + A_bb)^{-1} of the diagonal block
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = (i_bh // HV).to(tl.int64), i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_s = tl.load(state_idx + i_b)
-    n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
-    o_i = tl.arange(0, 16)
-    o_t = i_t * 16 + o_i
-    m_t = o_t < n
-    # G_i = sum_j bit(i, j) g_j over the words up to this block
-    b_G = tl.zeros([16], dtype=tl.float32)
-    for i_w in range(0, tl.cdiv(tl.minimum(n, i_t * 16 + 16), 32)):
-        o_c = i_w * 32 + tl.arange(0, 32)
-        b_g = tl.load(g + (i_b * N + o_c) * HV + i_hv, mask=o_c < n, other=0.).to(tl.float32)
-        b_w = tl.load(anc + (i_b * N + o_t) * NW + i_w, mask=m_t, other=0)
-        b_on = ((b_w[:, None] >> tl.arange(0, 32)[None, :]) & 1) != 0
-        b_G += tl.sum(tl.where(b_on, b_g[None, :], 0.), 1)
-    tl.store(G + (i_b * N + o_t) * HV + i_hv, b_G, mask=o_t < N)
-    if i_t * 16 < n:
-        o_k = tl.arange(0, BK)
-        b_k = load_qk_block(k, o_t, m_t, i_b, i_h, o_k, o_k < K, N, H, K, USE_L2NORM)
-        b_beta = tl.load(beta + (i_b * N + o_t) * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
-        b_on = ((tl.load(anc + (i_b * N + o_t[:, None]) * NW + (o_t // 32)[None, :],
-                         mask=m_t[:, None], other=0) >> (o_t % 32)[None, :]) & 1) != 0
-        b_on = b_on & (o_i[:, None] > o_i[None, :])
-        b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_G[None, :], float('-inf')))
-        b_a = b_beta[:, None] * b_d * tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
-        b_x = unit_lower_inverse(b_a, n - i_t * 16, 16)
-        tl.store(dinv + (i_bh * N16 + o_t[:, None]) * 16 + o_i[None, :], b_x)
-
-
-@triton.jit
-def tree_gdn_fwd_kernel(
-    q, k, v, beta, anc, num_nodes, state, state_idx, o, vnew, G, dinv, scale,
-    N: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    NW: tl.constexpr, N16: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_L2NORM: tl.constexpr, STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
+@triton.jit(do_not_specialize=["N", "H", "HV", "NB"])
+def tree_gdn_solve_kernel(
+    q, k, v, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB, NPAD,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = (i_bh // HV).to(tl.int64), i_bh % HV
+    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_s = tl.load(state_idx + i_b).to(tl.int64)
     # a padded request (state_idx < 0) reads nothing and gets all-zero outputs
     n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
-
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
+    m_v = o_v < V
     if STATE_V_FIRST:
         p_s = state + (i_s * HV + i_hv) * K * V + o_v[None, :] * K + o_k[:, None]
     else:
         p_s = state + (i_s * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
     # [BK, BV]
-    b_s = tl.load(p_s, mask=tl.where(i_s >= 0, m_k[:, None] & m_v[None, :], False),
+    b_s = tl.load(p_s, mask=tl.where(i_s >= 0, (o_k < K)[:, None] & m_v[None, :], False),
                   other=0.).to(tl.float32)
-
-    o_i = tl.arange(0, BT)
-    m_same = (o_i[:, None] // 16) == (o_i[None, :] // 16)
+    b_sh, b_sl = state_split(b_s, q.dtype.element_ty)
+    # rows of the stacked [2BT, *] tiles: r < BT is node t BT + r of the V' (k) half, r >= BT the
+    # same node of the O (q) half
+    o_r = tl.arange(0, 2 * BT)
+    m_top = o_r < BT
     for i_t in range(0, tl.cdiv(n, BT)):
-        o_t = i_t * BT + o_i
-        m_t = o_t < n
-        b_q = load_qk_block(q, o_t, m_t, i_b, i_h, o_k, m_k, N, H, K, USE_L2NORM) * scale
-        b_k = load_qk_block(k, o_t, m_t, i_b, i_h, o_k, m_k, N, H, K, USE_L2NORM)
-        b_Gt = tl.load(G + (i_b * N + o_t) * HV + i_hv, mask=m_t, other=0.)
-        b_eG = tl.exp(b_Gt)
-        b_beta = tl.load(beta + (i_b * N + o_t) * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
-        # [BT, BV]
-        b_v = tl.load(v + ((i_b * N + o_t[:, None]) * HV + i_hv) * V + o_v[None, :],
-                      mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        # [BT, BT] block-diagonal inverses from the prep kernel (16-blocks past n read as 0)
-        b_x = tl.load(dinv + (i_bh * N16 + o_t[:, None]) * 16 + (o_i % 16)[None, :],
-                      mask=m_same & ((o_t // 16) * 16 < n)[:, None], other=0.)
-        b_r = b_beta[:, None] * (b_v - b_eG[:, None] * tl.dot(b_k, b_s, input_precision=DOT_PREC))
-        b_o = b_eG[:, None] * tl.dot(b_q, b_s, input_precision=DOT_PREC)
-        p_w = anc + (i_b * N + o_t[:, None]) * NW
-        for i_c in range(0, i_t):
-            o_c = i_c * BT + o_i
-            # [BT, BT] ancestor mask between rows of block t and columns of block c
-            b_on = ((tl.load(p_w + (o_c // 32)[None, :], mask=m_t[:, None], other=0)
-                     >> (o_c % 32)[None, :]) & 1) != 0
-            b_kc = load_qk_block(k, o_c, o_c < n, i_b, i_h, o_k, m_k, N, H, K, USE_L2NORM)
-            b_Gc = tl.load(G + (i_b * N + o_c) * HV + i_hv)
-            b_uc = tl.load(vnew + ((i_b * N + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
-                           mask=m_v[None, :], other=0.)
-            b_d = tl.exp(tl.where(b_on, b_Gt[:, None] - b_Gc[None, :], float('-inf')))
-            b_a = b_beta[:, None] * b_d * tl.dot(b_k, tl.trans(b_kc), input_precision=DOT_PREC)
-            b_qk = b_d * tl.dot(b_q, tl.trans(b_kc), input_precision=DOT_PREC)
-            b_r -= tl.dot(b_a, b_uc, input_precision=DOT_PREC)
-            b_o += tl.dot(b_qk, b_uc, input_precision=DOT_PREC)
-        # diagonal block
-        b_on = ((tl.load(p_w + (o_t // 32)[None, :], mask=m_t[:, None], other=0)
-                 >> (o_t % 32)[None, :]) & 1) != 0
-        b_d = tl.exp(tl.where(b_on, b_Gt[:, None] - b_Gt[None, :], float('-inf')))
-        if BT > 16:
-            b_a = tl.where(o_i[:, None] > o_i[None, :], b_beta[:, None] * b_d, 0.) * \
-                tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
-            b_x = merge_diag_inverses(b_x, b_a, BT, DOT_PREC)
-        b_qk = b_d * tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
-        b_u = tl.dot(b_x, b_r, input_precision=DOT_PREC)
-        b_o += tl.dot(b_qk, b_u, input_precision=DOT_PREC)
-        m_st = (o_t < N)[:, None] & m_v[None, :]
-        tl.store(vnew + ((i_b * N + o_t[:, None]) * HV + i_hv) * V + o_v[None, :], b_u, mask=m_st)
-        tl.store(o + ((i_b * N + o_t[:, None]) * HV + i_hv) * V + o_v[None, :],
-                 b_o.to(o.dtype.element_ty), mask=m_st)
+        rows = i_t * BT + o_r % BT
+        m_r = rows < n
+        # [2BT, BK] rows [k_t ; q_t] (raw), [2BT] coefficients of K S0 / Q S0 and of V
+        p_x = tl.where(m_top, k, q) + ((i_b * N + rows) * H + i_h) * K
+        b_x = tl.load(p_x[:, None] + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
+                      other=0.)
+        b_eG = tl.exp(tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.))
+        b_rn = tl.load(RN + (i_bh * 2 + (o_r >= BT)) * N + rows, mask=m_r, other=0.)
+        b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r & m_top,
+                         other=0.).to(tl.float32)
+        b_v = tl.load(v + ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+                      mask=(m_r & m_top)[:, None] & m_v[None, :], other=0.).to(tl.float32)
+        b_c = tl.where(m_top, -b_beta, 1.) * b_eG * b_rn
+        # [2BT, BV] = [beta (v - e^G rk k S0) ; e^G rq q S0]
+        b_y = b_beta[:, None] * b_v + b_c[:, None] * state_dot(b_x, b_sh, b_sl, DOT_PREC)
+        p_blk = (i_bh * NB + i_t) * 2 * BT
+        # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
+        for i_c in range(0, tl.cdiv(i_t * BT, KC)):
+            o_c = i_c * KC + tl.arange(0, KC)
+            m_c = o_c < i_t * BT
+            # [2BT, KC] and [KC, BV]; columns of later blocks are masked to zero
+            b_ap = tl.load(AP + (p_blk + o_r[:, None]) * NPAD + o_c[None, :], mask=m_c[None, :],
+                           other=0.)
+            b_u = tl.load(vnew + ((i_b * N + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
+                          mask=m_c[:, None] & m_v[None, :], other=0.)
+            b_y -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
+        # [2BT, 2BT] @ [2BT, BV] -> [V'_t ; O_t]
+        b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
+        b_z = tl.dot(b_w, b_y, input_precision=DOT_PREC)
+        p_out = ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :]
+        m_st = (rows < N)[:, None] & m_v[None, :]
+        tl.store(vnew + p_out, b_z, mask=m_st & m_top[:, None])
+        tl.store(o + p_out, b_z.to(o.dtype.element_ty), mask=m_st & (o_r >= BT)[:, None])
         # later blocks re-read this block's V' written by other threads of the program
         tl.debug_barrier()
     # padding blocks past n
+    o_i = tl.arange(0, BT)
     for i_t in range(tl.cdiv(n, BT), tl.cdiv(N, BT)):
-        o_t = i_t * BT + o_i
-        m_st = (o_t < N)[:, None] & m_v[None, :]
+        rows = i_t * BT + o_i
+        p_out = ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :]
+        m_st = (rows < N)[:, None] & m_v[None, :]
         b_z = tl.zeros([BT, BV], dtype=tl.float32)
-        tl.store(vnew + ((i_b * N + o_t[:, None]) * HV + i_hv) * V + o_v[None, :], b_z, mask=m_st)
-        tl.store(o + ((i_b * N + o_t[:, None]) * HV + i_hv) * V + o_v[None, :],
-                 b_z.to(o.dtype.element_ty), mask=m_st)
+        tl.store(vnew + p_out, b_z, mask=m_st)
+        tl.store(o + p_out, b_z.to(o.dtype.element_ty), mask=m_st)
+
 
 def _config(N, K, V):
-    """(BT, BV, num_warps, num_stages). Measured on an H200 (benchmarks/results/gdn_tree_h200.json):
-    BT=16, BV=32, 4 warps, 1 stage was fastest for n = 16..129 (BT=32/64 and BV=16/64 slower)."""
-    return 16, min(32, max(16, triton.next_power_of_2(V))), 4, 1
+    """(BT, BV, num_warps) of the solve kernel for trees of up to N nodes.
+
+    Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128): 16/16/4 was
+    fastest for n = 16..65 and 32/32/4 for n = 129; BT=64 was 2-3x slower everywhere.
+    """
+    if N <= 96:
+        return 16, 16, 4
+    return 32, min(32, max(16, triton.next_power_of_2(V))), 4
 
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
@@ -229,7 +138,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             by all layers; built here from `parent` when None.
         precision: `tl.dot` input precision on GPU, "tf32" | "tf32x3" | "ieee".
         check: validate `parent` on the host when building `anc` (syncs). Default: True.
-        block_t, block_v, num_warps, num_stages: tuning overrides (block_t in 16, 32, 64).
+        block_t, block_v, num_warps: tuning overrides of the solve kernel (block_t in 16, 32, 64).
+        num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
+            must not be software-pipelined.
     Returns:
         o: [B, N, HV, V] in v.dtype.
         stash: `GDNTreeStash` for `tree_gdn_commit`.
@@ -257,22 +168,29 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     if anc is None:
         anc = tree_ancestor_bits(parent, num_nodes, check=check)
     scale = K ** -0.5 if scale is None else scale
-    BT, BV, nw, ns = _config(N, K, V)
-    BT, BV, nw, num_stages = block_t or BT, block_v or BV, num_warps or nw, num_stages or ns
+    BT, BV, nw = _config(N, K, V)
+    BT, BV, nw = block_t or BT, block_v or BV, num_warps or nw
+    if BT not in (16, 32, 64):
+        raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    o = torch.empty_like(v)
-    vnew = torch.empty(B, N, HV, V, dtype=torch.float32, device=v.device)
-    G = torch.empty(B, N, HV, dtype=torch.float32, device=v.device)
-    N16 = triton.cdiv(N, 16) * 16
-    dinv = torch.empty(B * HV, N16, 16, dtype=torch.float32, device=v.device)
     anc, num_nodes, state_idx = anc.contiguous(), num_nodes.contiguous(), state_idx.contiguous()
+    dev, f32 = v.device, torch.float32
+    NB = triton.cdiv(N, BT)
+    # columns of the off-diagonal rows: every node of blocks 0 .. NB-2
+    NPAD = max(16, triton.next_power_of_2((NB - 1) * BT))
     BK = max(16, triton.next_power_of_2(K))
-    tree_gdn_prep_kernel[(N16 // 16, B * HV)](
-        k, g, beta, anc, num_nodes, state_idx, G, dinv, N=N, H=H, HV=HV, K=K, NW=anc.shape[-1],
-        N16=N16, BK=BK, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision, num_warps=1)
-    tree_gdn_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
-        q, k, v, beta, anc, num_nodes, state_pool, state_idx, o, vnew, G, dinv, scale, N=N, H=H,
-        HV=HV, K=K, V=V, NW=anc.shape[-1], N16=N16, BT=BT, BK=BK, BV=BV,
-        USE_L2NORM=use_qk_l2norm, STATE_V_FIRST=state_v_first, DOT_PREC=precision,
-        num_warps=nw, num_stages=num_stages)
+    o = torch.empty_like(v)
+    vnew = torch.empty(B, N, HV, V, dtype=f32, device=dev)
+    G = torch.empty(B, N, HV, dtype=f32, device=dev)
+    RN = torch.empty(B * HV, 2, N, dtype=f32, device=dev)
+    AP = torch.empty(B * HV, NB, 2 * BT, NPAD, dtype=f32, device=dev)
+    W = torch.empty(B * HV, NB, 2 * BT, 2 * BT, dtype=f32, device=dev)
+    tree_gdn_prep_kernel[(NB, B * HV)](
+        q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, anc.shape[-1],
+        NB, NPAD, BT=BT, BK=BK, BC=min(NPAD, 32), USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
+        num_warps=4)
+    tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB,
+        NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, 128), STATE_V_FIRST=state_v_first, DOT_PREC=precision,
+        num_warps=nw, num_stages=1)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

@@ -1,0 +1,193 @@
+"""Parallel first stage of the tree GDN verify: the parts of the solve that do not involve V or S0.
+
+`tree_gdn_prep_kernel` runs one program per BT-node block t of the tree, request and value head,
+and writes, for that block:
+    G_t                          path-summed decay of the block's nodes             -> G  [B, N, HV]
+    rk_t, rq_t                   inverse norms of k and q (rq times the scale)      -> RN [BH, 2, N]
+    AP_t = [A_t,<t ; -P_t,<t]    the off-diagonal rows of A and P (cols < t BT)    -> AP [BH, NB, 2BT, NPAD]
+    W_t  = [[T, 0], [P_tt T, I]] with T = (I + A_tt)^{-1}                          -> W  [BH, NB, 2BT, 2BT]
+where A_ij = beta_i D_ij k_i.k_j for j a strict ancestor of i, P_ij = D_ij q_i.k_j for j on the
+path root..i, D_ij = exp(G_i - G_j), with normalised q (times the scale) and k. The Grams use the
+raw q/k tiles (bf16 feeds the tensor cores as is) and are scaled by the inverse norms afterwards.
+The two halves of AP and W are stacked along the rows so that the serial solve (verify.py) needs
+one dot per sweep over earlier blocks and one per block.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def inv_norm(x, rows, m_r, i_b, i_h, N, H, K, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """[R] 1 / sqrt(sum x^2 + 1e-6) of rows of q or k ([B, N, H, K]); ones without l2norm.
+
+    Reads the rows in 32-column slices (an fp32 copy of a whole [R, BK] tile costs registers).
+    """
+    if USE_L2NORM:
+        b_ss = tl.zeros([rows.shape[0]], dtype=tl.float32)
+        for i_k in tl.static_range(0, BK, 32):
+            o_k = i_k + tl.arange(0, 32)
+            b_x = tl.load(x + ((i_b * N + rows[:, None]) * H + i_h) * K + o_k[None, :],
+                          mask=m_r[:, None] & (o_k < K)[None, :], other=0.).to(tl.float32)
+            b_ss += tl.sum(b_x * b_x, 1)
+        return 1. / tl.sqrt(b_ss + 1e-6)
+    else:
+        return tl.full([rows.shape[0]], 1., tl.float32)
+
+
+@triton.jit
+def gram(a, b, DOT_PREC: tl.constexpr):
+    """[R, C] = a @ b^T for [R, BK] and [C, BK] tiles; 16-bit inputs feed the tensor cores as is."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, tl.trans(b), input_precision=DOT_PREC)
+    else:
+        return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
+def state_split(s, x_dtype: tl.constexpr):
+    """The fp32 state tile s [BK, BV] as operands for `state_dot` with rows of dtype x_dtype.
+
+    bf16 rows are exact in bf16, so s is split as hi + lo (both bf16): two bf16 dots then give the
+    product to ~2^-16 relative, better than one tf32 dot and with half the register footprint.
+    """
+    if x_dtype == tl.bfloat16:
+        s_hi = s.to(tl.bfloat16)
+        return s_hi, (s - s_hi.to(tl.float32)).to(tl.bfloat16)
+    else:
+        return s, s
+
+
+@triton.jit
+def state_dot(x, s_hi, s_lo, DOT_PREC: tl.constexpr):
+    """[R, BV] = x @ S for raw q/k rows x [R, BK] and the operands of `state_split`."""
+    if x.dtype == tl.bfloat16:
+        return tl.dot(x, s_hi) + tl.dot(x, s_lo)
+    else:
+        return tl.dot(x.to(tl.float32), s_hi, input_precision=DOT_PREC)
+
+
+@triton.jit
+def path_decay(g, anc, rows, i_b, i_hv, n, hi, N, HV, NW, R: tl.constexpr):
+    """[R] G_i = sum of g over the inclusive ancestors of node rows[i] (0 for rows >= n).
+
+    `hi` bounds the node index of every row (only words below it are read).
+    """
+    m_r = rows < n
+    b_G = tl.zeros([R], dtype=tl.float32)
+    for i_w in range(0, tl.cdiv(tl.minimum(n, hi), 32)):
+        o_c = i_w * 32 + tl.arange(0, 32)
+        b_g = tl.load(g + (i_b * N + o_c) * HV + i_hv, mask=o_c < n, other=0.).to(tl.float32)
+        b_w = tl.load(anc + (i_b * N + rows) * NW + i_w, mask=m_r, other=0)
+        b_on = ((b_w[:, None] >> tl.arange(0, 32)[None, :]) & 1) != 0
+        b_G += tl.sum(tl.where(b_on, b_g[None, :], 0.), 1)
+    return b_G
+
+
+@triton.jit
+def anc_tile(anc, rows, cols, m_r, i_b, N, NW):
+    """[R, C] bool: node cols[j] lies on the path root..rows[i]."""
+    b_w = tl.load(anc + (i_b * N + rows[:, None]) * NW + (cols // 32)[None, :], mask=m_r[:, None],
+                  other=0)
+    return ((b_w >> (cols % 32)[None, :]) & 1) != 0
+
+
+@triton.jit
+def diag_block_inverse(b_a, BT: tl.constexpr):
+    """(I + A_D)^{-1} for the 16x16 diagonal blocks A_D of a strictly lower [BT, BT] fp32 tile.
+
+    Forward substitution on the transpose Y = X^T, all 16-blocks at once: column i of each block is
+    Y[:, i] = e_i - Y a_i with a_i[j] = A[i, j], so both reductions run along rows.
+    """
+    o_i = tl.arange(0, BT)
+    m_same = (o_i[:, None] // 16) == (o_i[None, :] // 16)
+    m_eye = o_i[:, None] == o_i[None, :]
+    b_at = tl.trans(tl.where(m_same, b_a, 0.))
+    b_y = tl.where(m_eye, 1., 0.)
+    for i in range(1, 16):
+        m_col = m_same & ((o_i % 16) == i)[None, :]
+        b_ai = tl.sum(tl.where(m_col, b_at, 0.), 1)
+        b_s = tl.sum(b_y * b_ai[None, :], 1)
+        b_y = tl.where(m_col, tl.where(m_eye, 1., 0.) - b_s[:, None], b_y)
+    return tl.trans(b_y)
+
+
+@triton.jit
+def merge_diag_inverses(b_xd, b_a, BT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(I + A)^{-1} from the inverses X_D of its 16x16 diagonal blocks (BT in 16, 32, 64).
+
+    I + A = (I + A_D)(I + N) with N = X_D L (L: A off the diagonal blocks), N^(BT/16) = 0, so
+    (I + A)^{-1} = (I - N)(I + N^2) X_D.
+    """
+    if BT > 16:
+        o_i = tl.arange(0, BT)
+        m_same = (o_i[:, None] // 16) == (o_i[None, :] // 16)
+        b_n = tl.dot(b_xd, tl.where(m_same, 0., b_a), input_precision=DOT_PREC)
+        b_xd = b_xd - tl.dot(b_n, b_xd, input_precision=DOT_PREC)
+        if BT > 32:
+            b_n2 = tl.dot(b_n, b_n, input_precision=DOT_PREC)
+            b_xd = b_xd + tl.dot(b_n2, b_xd, input_precision=DOT_PREC)
+    return b_xd
+
+
+@triton.jit
+def load_rows(x, rows, m_r, i_b, i_h, N, H, K, BK: tl.constexpr):
+    """[R, BK] raw rows of q or k ([B, N, H, K]) for one head, zero past n or K."""
+    o_k = tl.arange(0, BK)
+    return tl.load(x + ((i_b * N + rows[:, None]) * H + i_h) * K + o_k[None, :],
+                   mask=m_r[:, None] & (o_k < K)[None, :], other=0.)
+
+
+# sizes that vary per call are not specialised on (one compile serves every tree size)
+@triton.jit(do_not_specialize=["N", "H", "HV", "NW", "NB"])
+def tree_gdn_prep_kernel(
+    q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NW, NB, NPAD,
+    BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, USE_L2NORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_s = tl.load(state_idx + i_b)
+    # a padded request (state_idx < 0) reads nothing
+    n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
+    o_i = tl.arange(0, BT)
+    rows = i_t * BT + o_i
+    m_r = rows < n
+    b_G = path_decay(g, anc, rows, i_b, i_hv, n, i_t * BT + BT, N, HV, NW, BT)
+    tl.store(G + (i_b * N + rows) * HV + i_hv, b_G, mask=rows < N)
+    if i_t * BT < n:
+        b_k = load_rows(k, rows, m_r, i_b, i_h, N, H, K, BK)
+        b_q = load_rows(q, rows, m_r, i_b, i_h, N, H, K, BK)
+        b_rk = inv_norm(k, rows, m_r, i_b, i_h, N, H, K, BK, USE_L2NORM)
+        b_rq = inv_norm(q, rows, m_r, i_b, i_h, N, H, K, BK, USE_L2NORM) * scale
+        tl.store(RN + i_bh * 2 * N + rows, b_rk, mask=rows < N)
+        tl.store(RN + (i_bh * 2 + 1) * N + rows, b_rq, mask=rows < N)
+        b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.).to(tl.float32)
+        p_blk = (i_bh * NB + i_t) * 2 * BT
+        # off-diagonal rows: all earlier nodes, BC columns at a time (columns >= i_t BT unread)
+        for i_c in range(0, tl.cdiv(i_t * BT, BC)):
+            o_c = i_c * BC + tl.arange(0, BC)
+            m_c = o_c < i_t * BT
+            b_kc = load_rows(k, o_c, m_c, i_b, i_h, N, H, K, BK)
+            b_rkc = inv_norm(k, o_c, m_c, i_b, i_h, N, H, K, BK, USE_L2NORM)
+            b_Gc = path_decay(g, anc, o_c, i_b, i_hv, i_t * BT, i_c * BC + BC, N, HV, NW, BC)
+            b_on = anc_tile(anc, rows, o_c, m_r, i_b, N, NW) & m_c[None, :]
+            b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_Gc[None, :], float('-inf')))
+            b_a = (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_kc, DOT_PREC) * b_rkc[None, :]
+            b_p = b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :]
+            p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_c[None, :]
+            tl.store(p_ap, b_a, mask=m_c[None, :])
+            tl.store(p_ap + BT * NPAD, -b_p, mask=m_c[None, :])
+        # diagonal block
+        b_on = anc_tile(anc, rows, rows, m_r, i_b, N, NW)
+        b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_G[None, :], float('-inf')))
+        b_a = tl.where(o_i[:, None] > o_i[None, :], (b_beta * b_rk)[:, None] * b_d, 0.) * \
+            gram(b_k, b_k, DOT_PREC) * b_rk[None, :]
+        b_p = b_rq[:, None] * b_d * gram(b_q, b_k, DOT_PREC) * b_rk[None, :]
+        b_x = merge_diag_inverses(diag_block_inverse(b_a, BT), b_a, BT, DOT_PREC)
+        b_m = tl.dot(b_p, b_x, input_precision=DOT_PREC)
+        p_w = W + (p_blk + o_i[:, None]) * 2 * BT + o_i[None, :]
+        tl.store(p_w, b_x)
+        tl.store(p_w + BT, tl.zeros([BT, BT], dtype=tl.float32))
+        tl.store(p_w + 2 * BT * BT, b_m)
+        tl.store(p_w + 2 * BT * BT + BT, tl.where(o_i[:, None] == o_i[None, :], 1., 0.))

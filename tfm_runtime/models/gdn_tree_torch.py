@@ -144,6 +144,7 @@ def _triton_forward(mod, mixed, z, b, a, conv_state, S0, parents, anc_bits):
         raise TypeError("the triton GDN tree backend takes fp32/fp16/bf16 targets; use backend='torch' for fp64")
     B, N, _ = mixed.shape
     dev = mixed.device
+    assert anc_bits is None or anc_bits.shape[0] == B, "one ancestor bitmask per request"
     par = parents.to(device=dev, dtype=torch.int32)[None].expand(B, N).contiguous()      # [B, N]
     n = torch.full((B,), N, dtype=torch.int32, device=dev)
     slots = torch.arange(B, dtype=torch.int32, device=dev)

@@ -102,7 +102,7 @@ class TargetModel(nn.Module):
         [B, 1, T, kv_len] (tree verification) or a dict {layer_type: mask}."""
         self._captured.clear()
         out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                        cache=past_key_values, use_cache=use_cache)
+                        past_key_values=past_key_values, use_cache=use_cache)
         h = out.last_hidden_state                                   # [B, T, H] (after final norm)
         logits = self.model.get_output_embeddings()(h)              # [B, T, V]
         if self.tap_layer_ids:

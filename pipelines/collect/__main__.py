@@ -16,7 +16,7 @@ import time
 from pipelines.collect.config import CollectConfig
 from pipelines.collect.inputs import fingerprint, list_input_files, read_records, tokenize
 from pipelines.collect.models import check_pair, load_tokenizer
-from pipelines.collect.shards import Manifest
+from pipelines.collect.shards import Manifest, remove_temp_files
 from pipelines.provenance import provenance
 from tfm_runtime.io import atomic_write_json
 
@@ -33,6 +33,7 @@ def plan(cfg: CollectConfig, samples, manifest: Manifest, data_hash: str) -> tup
         if manifest.done(name, span):
             done += 1
             continue
+        manifest.data["shards"].pop(name, None)              # listed but missing or damaged: not done any more
         item = {"shard": k, "name": name, "samples": span, "sample_ids": [s.sample_id for s in chunk],
                 "prompt_ids": [s.prompt_ids for s in chunk]}
         if cfg.response == "keep":
@@ -44,6 +45,7 @@ def plan(cfg: CollectConfig, samples, manifest: Manifest, data_hash: str) -> tup
 def run(cfg: CollectConfig, progress: bool = True) -> dict:
     """Validate everything, then collect. Returns the closing summary."""
     t_start = time.perf_counter()
+    _check_output_dir(cfg.output_dir)
     contract = check_pair(cfg)                               # incompatible drafter / missing models: fail now
     files = list_input_files(cfg.inputs)
     records = read_records(files)                            # unreadable input: fail now
@@ -52,24 +54,28 @@ def run(cfg: CollectConfig, progress: bool = True) -> dict:
                                 max_prompt_tokens=cfg.max_prompt_tokens, limit=cfg.limit)
     data_hash = cfg.data_hash() + "-" + fingerprint(files)[:6]
     os.makedirs(cfg.output_dir, exist_ok=True)
+    stale = remove_temp_files(cfg.output_dir)               # left by a killed run (atomic writes never finished)
+    if stale:
+        log.info("removed %d unfinished temp files of an interrupted run from %s", stale, cfg.output_dir)
     header = {"schema_version": contract.shard_schema_version, "contract": contract.to_dict(),
               "config_hash": data_hash, "config": cfg.to_dict(), "provenance": provenance(),
               "mode": "text_only" if cfg.text_only else "anchors", "inputs": files}
     manifest = Manifest(os.path.join(cfg.output_dir, "manifest.json"), header)
     manifest.data["skipped"] = dict(skipped)
-    manifest.save()
-    atomic_write_json(os.path.join(cfg.output_dir, "collect_config.json"), {**cfg.to_dict(), "hash": data_hash})
     work, done = plan(cfg, samples, manifest, data_hash)
+    manifest.save()                                          # from here on it lists intact shards only
+    atomic_write_json(os.path.join(cfg.output_dir, "collect_config.json"), {**cfg.to_dict(), "hash": data_hash})
     log.info("%d usable samples (%d skipped: %s); %d shards to write, %d already done", len(samples),
              sum(skipped.values()), dict(skipped), len(work), done)
     if work:
         import ray
         from tqdm.auto import tqdm
 
-        from pipelines.collect.job import build_dataset
+        from pipelines.collect.job import build_dataset, quiet_ray_data_logs
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
                      ignore_reinit_error=True, logging_level=logging.WARNING)
+        quiet_ray_data_logs()
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False                     # our own bar counts shards
         ctx.print_on_execution_start = False
@@ -79,6 +85,18 @@ def run(cfg: CollectConfig, progress: bool = True) -> dict:
                 manifest.add(row["name"], json.loads(row["facts"]))
                 bar.update(1)
     return summarize(manifest, time.perf_counter() - t_start)
+
+
+def _check_output_dir(path: str) -> None:
+    """A Ray job submitted with --working-dir runs in a temporary copy of that folder: a relative output_dir would
+    land in the copy and vanish with it (and on a multi-node cluster, output_dir must be shared storage anyway)."""
+    try:
+        runtime_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
+    except ValueError:
+        runtime_env = {}
+    if runtime_env.get("working_dir") and not os.path.isabs(path):
+        raise ValueError(f"output_dir {path!r} is relative, but this Ray job runs in a temporary copy of its "
+                         f"working dir ({os.getcwd()}), which Ray deletes once unused: give an absolute path")
 
 
 def summarize(manifest: Manifest, seconds: float) -> dict:

@@ -34,6 +34,10 @@ class Rollout:
         self.device = resolve_device(self.cfg)
         self.target, _ = load_models(self.cfg, self.device)
         self.tok = load_tokenizer(self.cfg.target)
+        from pipelines.collect.rollout import fast_generator
+        # Dense targets: one generator per actor, so its KV cache and captured decode steps serve every shard.
+        self.generator = fast_generator(self.target.model, batch_size=self.cfg.rollout_batch_size,
+                                        max_len=self.cfg.max_prompt_tokens + self.cfg.max_new_tokens)
 
     def __call__(self, batch: pa.Table) -> dict:
         from pipelines.collect.rollout import regenerate
@@ -42,7 +46,7 @@ class Rollout:
         resp = regenerate(self.target.model, row["prompt_ids"], max_new_tokens=self.cfg.max_new_tokens,
                           temperature=self.cfg.temperature, eos_token_id=self.tok.eos_token_id,
                           pad_token_id=self.tok.pad_token_id, batch_size=self.cfg.rollout_batch_size,
-                          seed=self.cfg.seed * 1_000_003 + row["shard"])
+                          seed=self.cfg.seed * 1_000_003 + row["shard"], generator=self.generator)
         return {**{k: [v] for k, v in row.items()}, "response_ids": [resp],
                 "rollout_seconds": [time.perf_counter() - t0]}
 
@@ -108,23 +112,48 @@ class ShardWriter:
                                                              "featurize_seconds": row["featurize_seconds"]})]}
 
 
+def quiet_ray_data_logs() -> None:
+    """Ray Data's console output in the driver: warnings and errors only (its log file under the Ray session keeps
+    everything). Also drops the warning that progress bars are off: the CLI draws its own bar over shards."""
+    import logging
+
+    from ray.data._internal.logging import SessionFileHandler
+    for h in logging.getLogger("ray.data").handlers:
+        if not isinstance(h, SessionFileHandler):
+            h.setLevel(max(h.level, logging.WARNING))
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+
+
+def _actor_options() -> dict:
+    """No actor restarts: a failed run is resumed from the manifest instead. With Ray Data's default
+    (max_restarts=-1) the driver also logs an error line per actor, because Ray Data hands its actors a constructor
+    argument from the object store (ray-project/ray#53727, #57733). Ray deprecates free-form actor options in
+    map_batches (removal announced for 2.64); once they are gone, Ray's default stands."""
+    import inspect
+
+    import ray
+    params = inspect.signature(ray.data.Dataset.map_batches).parameters.values()
+    return {"max_restarts": 0} if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) else {}
+
+
 def build_dataset(cfg: CollectConfig, contract: dict, work: list[dict]):
     """work: one dict per shard to produce -> a lazy Ray dataset of written-shard facts."""
+    import warnings
+
     import ray
     ds = ray.data.from_items(work, override_num_blocks=max(1, len(work)))
-    # No actor restarts: a failed run is resumed from the manifest instead. Ray Data's default (max_restarts=-1)
-    # also logs an error line per actor, since its actors take a constructor argument from the object store
-    # (ray-project/ray#53727, #57733).
-    res = {"max_restarts": 0, **({"num_gpus": cfg.gpus_per_actor} if cfg.gpus_per_actor else {})}
+    opts = _actor_options()
+    res = {**opts, **({"num_gpus": cfg.gpus_per_actor} if cfg.gpus_per_actor else {})}
     pool = ray.data.ActorPoolStrategy(size=cfg.num_actors)
     d = cfg.to_dict()
-    if cfg.response == "regenerate":
-        ds = ds.map_batches(Rollout, fn_constructor_kwargs={"cfg": d}, batch_size=1, batch_format="pyarrow",
-                            compute=pool, **res)
-    ds = ds.map_batches(Featurize, fn_constructor_kwargs={"cfg": d, "contract": contract}, batch_size=1,
-                        batch_format="pyarrow", compute=pool, **res)
-    # The writer only does file I/O: it reserves no CPU, so it runs beside the model stages and shards land (and
-    # reach the manifest) while the rest is still computing, instead of after the model actors are torn down.
-    return ds.map_batches(ShardWriter, fn_constructor_kwargs={"output_dir": cfg.output_dir}, batch_size=1,
-                          batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0,
-                          max_restarts=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
+        if cfg.response == "regenerate":
+            ds = ds.map_batches(Rollout, fn_constructor_kwargs={"cfg": d}, batch_size=1, batch_format="pyarrow",
+                                compute=pool, **res)
+        ds = ds.map_batches(Featurize, fn_constructor_kwargs={"cfg": d, "contract": contract}, batch_size=1,
+                            batch_format="pyarrow", compute=pool, **res)
+        # The writer only does file I/O and reserves no CPU: it runs beside the model stages, so shards land (and
+        # reach the manifest) while the rest is computing, not after the model actors are torn down.
+        return ds.map_batches(ShardWriter, fn_constructor_kwargs={"output_dir": cfg.output_dir}, batch_size=1,
+                              batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0, **opts)

@@ -98,6 +98,19 @@ def write_shard(table: pa.Table, path: str) -> dict:
     return {"rows": table.num_rows, "bytes": os.path.getsize(path), "sha256": digest}
 
 
+def remove_temp_files(folder: str) -> int:
+    """Delete the temp files of atomic writes (shards, manifest) that a killed run left in `folder` -> count."""
+    import glob
+    stale = [p for pattern in (".shard-*.parquet.*.tmp", ".manifest.json.*.tmp", ".collect_config.json.*.tmp")
+             for p in glob.glob(os.path.join(glob.escape(folder), pattern))]
+    for p in stale:
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+    return len(stale)
+
+
 class Manifest:
     """manifest.json: schema version, contract, config (+hash), provenance, per-shard facts, skipped inputs."""
 

@@ -48,10 +48,11 @@ class TreeVerifier:
     def _make_gdn_forward(self):
         verifier = self
 
-        def forward(mod, hidden_states, cache=None, attention_mask=None, **kwargs):
+        def forward(mod, hidden_states, *args, **kwargs):
             ctx = verifier._ctx
             if ctx is None:
-                return mod._tfm_plain_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+                return mod._tfm_plain_forward(hidden_states, *args, **kwargs)
+            cache = kwargs.get("cache", kwargs.get("cache_params"))   # transformers < 5.2x: cache_params
             out, stash = gdn_tree_layer_forward(mod, hidden_states, cache, ctx["parents"], backend=verifier.backend,
                                                 anc_bits=ctx["anc_bits"])
             ctx["stash"][mod.layer_idx] = stash

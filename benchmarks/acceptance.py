@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import subprocess
 
 import torch
 
+from pipelines.provenance import git_revision
 from tfm_runtime.acceptance import estimate_acceptance, format_table
 from tfm_runtime.io import atomic_write_json
 from tfm_runtime.worlds import FAMILIES, tiny_world
-
-
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> None:

@@ -204,7 +204,8 @@ def main(argv=None) -> None:
                                                       "identical": sum(p == new for p in pre) / len(pre)}
     best_hf = max(r["tokens_per_s"] for r in rows if r["engine"] != "ours")
     best_ours = max(r["tokens_per_s"] for r in rows if r["engine"] == "ours" and r["eos"] == "ignored")
-    info = {"provenance": provenance(), "device": args.device, "dtype": str(dtype), "model": "SmolLM2-135M architecture, random weights" if args.random_weights else GGUF,
+    model_name = "SmolLM2-135M architecture, random weights" if args.random_weights else GGUF
+    info = {"provenance": provenance(), "device": args.device, "dtype": str(dtype), "model": model_name,
             "max_new_tokens": new, "quick": args.quick}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

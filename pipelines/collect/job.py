@@ -32,7 +32,7 @@ class Rollout:
     def __init__(self, cfg: dict):
         self.cfg = CollectConfig.from_dict(cfg)
         self.device = resolve_device(self.cfg)
-        self.target, _ = load_models(self.cfg, self.device)
+        self.target, _ = load_models(self.cfg, self.device, with_drafter=False)   # rollout needs no drafter
         self.tok = load_tokenizer(self.cfg.target)
         from pipelines.collect.rollout import fast_generator
         # Dense targets: one generator per actor, so its KV cache and captured decode steps serve every shard.

@@ -96,16 +96,21 @@ def check_pair(cfg: CollectConfig) -> Contract:
                     tokenizer_hash=tokenizer_hash(tok))
 
 
-def load_models(cfg: CollectConfig, device: torch.device):
-    """-> (TargetModel with the drafter's taps, DFlashDrafter), on `device`, eval mode."""
+def load_models(cfg: CollectConfig, device: torch.device, with_drafter: bool = True):
+    """-> (TargetModel with the drafter's taps, DFlashDrafter or None), on `device`, eval mode."""
     from tfm_runtime.models import DFlashDrafter, TargetModel
     from tfm_runtime.worlds import tiny_world
     dtype = resolve_dtype(cfg.target, device)
     t_tiny, d_tiny = _tiny(cfg.target), _tiny(cfg.drafter)
-    if d_tiny:
+    if not with_drafter:
+        drafter = None
+        taps = drafter_config(cfg.drafter).target_layer_ids          # config only: no drafter weights
+    elif d_tiny:
         drafter = tiny_world(d_tiny[0], seed=d_tiny[1], vocab_size=TINY_VOCAB, dtype=dtype).drafter
     else:
         drafter = DFlashDrafter.from_pretrained(cfg.drafter.path, dtype=dtype)
+    if drafter is not None:
+        taps = drafter.cfg.target_layer_ids
     if t_tiny:
         model = tiny_world(t_tiny[0], seed=t_tiny[1], vocab_size=TINY_VOCAB, dtype=dtype).target.model
     else:
@@ -113,5 +118,5 @@ def load_models(cfg: CollectConfig, device: torch.device):
         kw = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
         model = AutoModelForCausalLM.from_pretrained(cfg.target.path, revision=cfg.target.revision, dtype=dtype,
                                                      **kw)
-    target = TargetModel(model.to(device).eval(), drafter.cfg.target_layer_ids)
-    return target, drafter.to(device).eval()
+    target = TargetModel(model.to(device).eval(), taps)
+    return target, (drafter.to(device).eval() if drafter is not None else None)

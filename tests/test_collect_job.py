@@ -54,7 +54,7 @@ def _http_json(url: str, timeout: float = 10.0):
 class Cluster:
     def __init__(self, root: str):
         self.root = root
-        self.port, self.dash = _free_port(), _free_port()
+        self.port, self.dash, self.agent = _free_port(), _free_port(), _free_port()
         self.url = f"http://127.0.0.1:{self.dash}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
         env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=root, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1",
@@ -66,19 +66,22 @@ class Cluster:
         cmd = [self.ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
                "--num-cpus", "2", "--disable-usage-stats", "--include-dashboard", "true",
                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dash),
-               "--dashboard-agent-listen-port", str(_free_port()), "--ray-client-server-port", str(_free_port()),
+               "--dashboard-agent-listen-port", str(self.agent), "--ray-client-server-port", str(_free_port()),
                "--temp-dir", os.path.join(root, "ray")]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until the job API answers and the head node's dashboard agent (which runs submitted jobs) accepts
+        connections: on a busy 2-core machine the agent can come up seconds after the API."""
         t_end = time.monotonic() + timeout
         while time.monotonic() < t_end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ray start exited with {self.proc.returncode}:\n{self.read_log()}")
             try:
                 _http_json(f"{self.url}/api/jobs/", timeout=2)
-                return
+                with socket.create_connection(("127.0.0.1", self.agent), timeout=2):
+                    return
             except (urllib.error.URLError, ConnectionError, OSError, ValueError):
                 time.sleep(0.5)
         raise TimeoutError(f"the Ray job API at {self.url} did not come up in {timeout} s:\n{self.read_log()}")
@@ -103,16 +106,39 @@ class Cluster:
         self.log.close()
 
     # ---- jobs -----------------------------------------------------------------------------------
-    def submit(self, config_path: str) -> str:
-        """`ray job submit --working-dir <repo> -- python -m pipelines.collect --config ...` -> submission id."""
+    def submit(self, config_path: str, attempts: int = 4) -> str:
+        """`ray job submit --working-dir <repo> -- python -m pipelines.collect --config ...` -> submission id.
+
+        A dropped HTTP connection (seen once in CI: RemoteDisconnected while the dashboard was busy) is retried
+        with the same submission id, after checking whether the server took the job anyway."""
         sid = "collect-" + uuid.uuid4().hex[:8]
         excludes = [".venv", ".git", ".pytest_cache", "**/__pycache__", "*.egg-info", "runs", "out"]
         cmd = [self.ray, "job", "submit", "--address", self.url, "--submission-id", sid, "--no-wait",
                "--working-dir", REPO, "--runtime-env-json", json.dumps({"excludes": excludes}),
                "--", "python", "-m", "pipelines.collect", "--config", config_path, "--no-progress"]
-        r = subprocess.run(cmd, env=self.env, cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, f"ray job submit failed:\n{r.stdout}\n{r.stderr}"
-        return sid
+        failures = []
+        for attempt in range(attempts):
+            r = subprocess.run(cmd, env=self.env, cwd=REPO, capture_output=True, text=True, timeout=120)
+            if r.returncode == 0:
+                return sid
+            failures.append(f"attempt {attempt + 1}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+            if "ConnectionError" not in r.stderr and "Connection" not in r.stderr:
+                break                                              # a real refusal: retrying will not help
+            time.sleep(2.0 * (attempt + 1))
+            try:
+                self.info(sid)                                     # the server has it after all
+                return sid
+            except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+                pass
+        pytest.fail("ray job submit failed:\n" + "\n".join(failures) + "\n" + self.dashboard_logs())
+
+    def dashboard_logs(self) -> str:
+        out = []
+        for name in ("dashboard.log", "dashboard_agent.log"):
+            for p in glob.glob(os.path.join(self.root, "ray", "session_latest", "logs", name)):
+                with open(p, errors="replace") as f:
+                    out.append(f"--- {name} (tail) ---\n{f.read()[-3000:]}")
+        return "\n".join(out)
 
     def info(self, sid: str) -> dict:
         return _http_json(f"{self.url}/api/jobs/{sid}")

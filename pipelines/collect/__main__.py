@@ -42,8 +42,9 @@ def plan(cfg: CollectConfig, samples, manifest: Manifest, data_hash: str) -> tup
     return work, done
 
 
-def run(cfg: CollectConfig, progress: bool = True) -> dict:
-    """Validate everything, then collect. Returns the closing summary."""
+def run(cfg: CollectConfig, progress: bool = True, use_ray: bool = True) -> dict:
+    """Validate everything, then collect (on Ray Data, or in this process with use_ray=False). Returns the
+    closing summary."""
     t_start = time.perf_counter()
     _check_output_dir(cfg.output_dir)
     contract = check_pair(cfg)                               # incompatible drafter / missing models: fail now
@@ -67,7 +68,14 @@ def run(cfg: CollectConfig, progress: bool = True) -> dict:
     atomic_write_json(os.path.join(cfg.output_dir, "collect_config.json"), {**cfg.to_dict(), "hash": data_hash})
     log.info("%d usable samples (%d skipped: %s); %d shards to write, %d already done", len(samples),
              sum(skipped.values()), dict(skipped), len(work), done)
-    if work:
+    if work and not use_ray:
+        from tqdm.auto import tqdm
+
+        from pipelines.collect.job import iter_inline
+        for row in tqdm(iter_inline(cfg, contract.to_dict(), work), total=len(work), desc="shards", unit="shard",
+                        disable=not progress):
+            manifest.add(row["name"], json.loads(row["facts"]))
+    elif work:
         import ray
         from tqdm.auto import tqdm
 
@@ -119,13 +127,15 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True, help="YAML or JSON file with the CollectConfig fields")
     ap.add_argument("--output-dir", help="override config.output_dir")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--no-ray", action="store_true",
+                    help="run the stages in this process without Ray (small jobs; the output is the same)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         cfg = CollectConfig.load(args.config)
         if args.output_dir:
             cfg.output_dir = args.output_dir
-        summary = run(cfg, progress=not args.no_progress)
+        summary = run(cfg, progress=not args.no_progress, use_ray=not args.no_ray)
     except (ValueError, FileNotFoundError) as e:
         log.error("%s", e)
         return 2

@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
+
+from pipelines.config_io import checked_fields, load_mapping
 
 RESPONSE_MODES = ("regenerate", "keep")
 INPUT_FORMATS = ("auto", "prompt", "sharegpt")
@@ -74,30 +75,11 @@ class CollectConfig:
     # ---- files ------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict) -> "CollectConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"collect config: unknown keys {unknown}; known keys are {sorted(known)}")
-        missing = sorted(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
-                         and f.default_factory is dataclasses.MISSING and f.name not in d)
-        if missing:
-            raise ValueError(f"collect config: missing required keys {missing}")
-        return cls(**d)
+        return cls(**checked_fields(cls, d, "collect config"))
 
     @classmethod
     def load(cls, path: str) -> "CollectConfig":
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"collect config file {path!r} does not exist")
-        with open(path) as f:
-            text = f.read()
-        if path.endswith((".yaml", ".yml")):
-            import yaml
-            d = yaml.safe_load(text)
-        else:
-            d = json.loads(text)
-        if not isinstance(d, dict):
-            raise ValueError(f"collect config {path!r}: expected a mapping at the top level, got {type(d).__name__}")
-        return cls.from_dict(d)
+        return cls.from_dict(load_mapping(path, "collect config"))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

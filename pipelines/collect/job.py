@@ -157,3 +157,16 @@ def build_dataset(cfg: CollectConfig, contract: dict, work: list[dict]):
         # reach the manifest) while the rest is computing, not after the model actors are torn down.
         return ds.map_batches(ShardWriter, fn_constructor_kwargs={"output_dir": cfg.output_dir}, batch_size=1,
                               batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0, **opts)
+
+
+def iter_inline(cfg: CollectConfig, contract: dict, work: list[dict]):
+    """The same stages run one after another in this process, without Ray (small jobs, tests): yields the
+    ShardWriter rows ({"name", "facts"}) as `build_dataset` does."""
+    d = cfg.to_dict()
+    stages = ([Rollout(d)] if cfg.response == "regenerate" else []) + [Featurize(d, contract),
+                                                                        ShardWriter(cfg.output_dir)]
+    for item in work:
+        batch = pa.Table.from_pylist([item])
+        for stage in stages:
+            batch = pa.Table.from_pydict(stage(batch))
+        yield batch.to_pylist()[0]

@@ -98,10 +98,10 @@ def check_pair(cfg: CollectConfig) -> Contract:
 
 def load_models(cfg: CollectConfig, device: torch.device, with_drafter: bool = True):
     """-> (TargetModel with the drafter's taps, DFlashDrafter or None), on `device`, eval mode."""
-    from tfm_runtime.models import DFlashDrafter, TargetModel
+    from tfm_runtime.models import DFlashDrafter
     from tfm_runtime.worlds import tiny_world
     dtype = resolve_dtype(cfg.target, device)
-    t_tiny, d_tiny = _tiny(cfg.target), _tiny(cfg.drafter)
+    d_tiny = _tiny(cfg.drafter)
     if not with_drafter:
         drafter = None
         taps = drafter_config(cfg.drafter).target_layer_ids          # config only: no drafter weights
@@ -111,12 +111,20 @@ def load_models(cfg: CollectConfig, device: torch.device, with_drafter: bool = T
         drafter = DFlashDrafter.from_pretrained(cfg.drafter.path, dtype=dtype)
     if drafter is not None:
         taps = drafter.cfg.target_layer_ids
-    if t_tiny:
-        model = tiny_world(t_tiny[0], seed=t_tiny[1], vocab_size=TINY_VOCAB, dtype=dtype).target.model
+    target = load_target(cfg.target, taps, device, dtype)
+    return target, (drafter.to(device).eval() if drafter is not None else None)
+
+
+def load_target(spec: ModelSpec, taps, device: torch.device, dtype: torch.dtype | None = None):
+    """The target named by `spec` as a TargetModel tapping `taps`, on `device`, eval mode."""
+    from tfm_runtime.models import TargetModel
+    from tfm_runtime.worlds import tiny_world
+    dtype = dtype or resolve_dtype(spec, device)
+    tiny = _tiny(spec)
+    if tiny:
+        model = tiny_world(tiny[0], seed=tiny[1], vocab_size=TINY_VOCAB, dtype=dtype).target.model
     else:
         from transformers import AutoModelForCausalLM
-        kw = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
-        model = AutoModelForCausalLM.from_pretrained(cfg.target.path, revision=cfg.target.revision, dtype=dtype,
-                                                     **kw)
-    target = TargetModel(model.to(device).eval(), taps)
-    return target, (drafter.to(device).eval() if drafter is not None else None)
+        kw = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(spec.path, revision=spec.revision, dtype=dtype, **kw)
+    return TargetModel(model.to(device).eval(), taps)

@@ -1,0 +1,47 @@
+"""Train Weaver (or a DFlash drafter) on collect's shards with DeepSpeed.
+
+  python -m pipelines.train --config train.yaml                          # one process (GPU, or CPU with gloo)
+  deepspeed --module pipelines.train --config train.yaml                 # every GPU of the machine
+  torchrun --nproc_per_node 2 -m pipelines.train --config train.yaml     # the same through torchrun
+
+The run folder (output_dir) gets train_config.json, metrics.jsonl, tb/, checkpoints/, best/, final/ and
+summary.json. Running the same command again resumes from the last checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipelines.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="YAML or JSON file with the TrainConfig fields")
+    ap.add_argument("--output-dir", help="override config.output_dir (the run folder)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = ap.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    log = logging.getLogger("tfm.train")
+    from pipelines.train.config import TrainConfig
+    try:
+        cfg = TrainConfig.load(args.config)
+        if args.output_dir:
+            cfg.output_dir = args.output_dir
+        from pipelines.train.loop import train
+        summary = train(cfg, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        log.error("%s", e)
+        return 2
+    if rank == 0:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Typed configuration of a training run (Weaver, or a DFlash drafter), loaded from YAML/JSON and validated
+before any work; the DeepSpeed config is derived from a few of its settings."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from pipelines.collect.config import ModelSpec
+from pipelines.config_io import checked_fields, load_mapping
+
+MODELS = ("weaver", "dflash")
+LOSSES = ("kl", "ce")
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    data: list[str]                       # collect output folders (anchor shards; text-only shards for dflash)
+    output_dir: str                       # the run folder: config, metrics, checkpoints, final/ and best/ models
+    model: str = "weaver"                 # weaver | dflash
+    target: ModelSpec | None = None       # default: the target named by the shards' contract
+    # ---- Weaver size (d_model, d_embed, lookahead and candidate pool come from the shards' contract)
+    preset: str | None = None             # "qwen36_27b": the published sizes (d_rank 1024, 3 layers, ...)
+    d_rank: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_dim: int = 768
+    # ---- DFlash drafter (model: dflash)
+    drafter_layers: int = 1
+    block_size: int = 16
+    drafter_intermediate_size: int | None = None   # default: 2 x target hidden (as z-lab's small drafters)
+    anchors_per_sequence: int = 16        # random block starts per sequence and step
+    loss_decay_gamma: float = 7.0         # dflash loss weight exp(-(k-1)/gamma) at block position k
+    max_seq_len: int = 2048
+    # ---- objective
+    loss: str = "kl"                      # kl: candidate-restricted KL to the target | ce: cross-entropy on x_{i+d}
+    depth_gamma: float | None = None      # Weaver depth weights exp(-d/gamma); None: all depths equal
+    # ---- optimisation
+    steps: int = 1000                     # optimizer steps
+    micro_batch: int = 32                 # rows (weaver) or sequences (dflash) per process and micro step
+    grad_accum: int = 1
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1             # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    zero_stage: int = 2
+    precision: str = "auto"               # auto: bf16 on GPU, fp32 on CPU
+    seed: int = 0
+    # ---- evaluation and checkpoints
+    heldout_fraction: float = 0.05        # of the sequences (by sample_id), never trained on
+    eval_every: int = 100
+    eval_rows: int = 256                  # held-out rows (weaver) or sequences (dflash) per evaluation
+    eval_budgets: list[int] = field(default_factory=lambda: [16, 64])
+    checkpoint_every: int = 200
+    keep_last: int = 2
+    log_every: int = 10
+    device: str = "auto"                  # auto | cpu | cuda
+
+    def __post_init__(self):
+        if isinstance(self.target, str):
+            self.target = ModelSpec(self.target)
+        elif isinstance(self.target, dict):
+            self.target = ModelSpec(**self.target)
+        if isinstance(self.data, str):
+            self.data = [self.data]
+        checks = [("model", self.model in MODELS, f"one of {MODELS}"),
+                  ("loss", self.loss in LOSSES, f"one of {LOSSES}"),
+                  ("precision", self.precision in PRECISIONS, f"one of {PRECISIONS}"),
+                  ("preset", self.preset in (None, "qwen36_27b"), "null or 'qwen36_27b'"),
+                  ("data", len(self.data) >= 1, "at least one collect output folder"),
+                  ("steps", self.steps >= 1, ">= 1"), ("micro_batch", self.micro_batch >= 1, ">= 1"),
+                  ("grad_accum", self.grad_accum >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
+                  ("zero_stage", self.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
+                  ("heldout_fraction", 0 < self.heldout_fraction < 1, "in (0, 1)"),
+                  ("eval_every", self.eval_every >= 1, ">= 1"), ("checkpoint_every", self.checkpoint_every >= 1, ">= 1"),
+                  ("keep_last", self.keep_last >= 1, ">= 1"), ("block_size", self.block_size >= 2, ">= 2"),
+                  ("anchors_per_sequence", self.anchors_per_sequence >= 1, ">= 1"),
+                  ("eval_budgets", all(b >= 1 for b in self.eval_budgets), "budgets >= 1"),
+                  ("depth_gamma", self.depth_gamma is None or self.depth_gamma > 0, "null or > 0")]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"train config: {name} must be {expected}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        return cls(**checked_fields(cls, d, "train config"))
+
+    @classmethod
+    def load(cls, path: str) -> TrainConfig:
+        return cls.from_dict(load_mapping(path, "train config"))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def run_hash(self) -> str:
+        """Hash of every setting that changes the trajectory: a run folder only resumes under the same hash."""
+        d = self.to_dict()
+        for k in ("output_dir", "eval_every", "eval_rows", "eval_budgets", "checkpoint_every", "keep_last",
+                  "log_every", "device"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+    def deepspeed_config(self, world_size: int, bf16: bool) -> dict:
+        """The DeepSpeed config built from the few settings that matter here (optimizer and schedule are ours)."""
+        return {"train_micro_batch_size_per_gpu": self.micro_batch,
+                "gradient_accumulation_steps": self.grad_accum,
+                "train_batch_size": self.micro_batch * self.grad_accum * world_size,
+                "gradient_clipping": self.grad_clip,
+                "zero_optimization": {"stage": self.zero_stage},
+                "bf16": {"enabled": bf16},
+                "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}

@@ -1,0 +1,110 @@
+"""Training data: collect's shards through `datasets` (one memory-mapped Arrow table), a held-out split by sequence,
+and a deterministic, distributed batch order that is a pure function of (seed, step): the data position of a
+resumed run is its step, nothing else."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from pipelines.collect.shards import decode_bf16
+from tfm_runtime.contract import SHARD_SCHEMA_VERSION, Contract, check_compatible
+
+
+class ShardData:
+    """All shards of one or more collect output folders (same contract and mode).
+
+    `mode` is "anchors" (one row per anchor: Weaver) or "text_only" (one row per sequence: DFlash).
+    Rows of a held-out sequence (by (folder, sample_id), `heldout_fraction` of them) are never trained on.
+    """
+
+    def __init__(self, folders: list[str], *, mode: str, heldout_fraction: float, cache_dir: str):
+        import datasets
+        manifests = [_read_manifest(f) for f in folders]
+        first = manifests[0]
+        self.contract = Contract.from_dict(first["contract"])
+        for folder, m in zip(folders, manifests):
+            if m.get("mode", "anchors") != mode:
+                raise ValueError(f"{folder}: expected shards in {mode!r} mode (collect text_only="
+                                 f"{mode == 'text_only'}), got {m.get('mode', 'anchors')!r}")
+            if m["schema_version"] != SHARD_SCHEMA_VERSION:
+                raise ValueError(f"{folder}: shard schema version {m['schema_version']}, this trainer reads "
+                                 f"{SHARD_SCHEMA_VERSION}")
+            check_compatible(self.contract, Contract.from_dict(m["contract"]), strict_ids=True,
+                             where=f"{folder} vs {folders[0]}")
+            if m["config"].get("target_topk") != first["config"].get("target_topk"):
+                raise ValueError(f"{folder}: target_topk {m['config'].get('target_topk')} differs from "
+                                 f"{first['config'].get('target_topk')} in {folders[0]}")
+        files, source = [], []
+        for i, (folder, m) in enumerate(zip(folders, manifests)):
+            for name in sorted(m["shards"]):
+                files.append(os.path.join(folder, name))
+                source.append(np.full(m["shards"][name]["rows"], i, dtype=np.int64))
+        if not files:
+            raise ValueError(f"no shards listed in the manifests of {folders}")
+        self.mode, self.files = mode, files
+        meta = pq.read_schema(files[0]).metadata or {}
+        self.shapes = {k: (dt, tuple(s)) for k, (dt, s) in json.loads(meta.get(b"tfm.shapes", b"{}")).items()}
+        ds = datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=cache_dir)
+        self.table: pa.Table = ds.data.table                      # memory-mapped Arrow
+        source = np.concatenate(source)
+        if len(source) != self.table.num_rows:
+            raise ValueError(f"manifests list {len(source)} rows, the shards hold {self.table.num_rows}")
+        sid = self.table.column("sample_id").to_numpy()
+        key = (source * 1_000_003 + sid).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        held = (key >> np.uint64(40)).astype(np.float64) / float(1 << 24) < heldout_fraction
+        self.train_index, self.heldout_index = np.nonzero(~held)[0], np.nonzero(held)[0]
+        if len(self.train_index) == 0 or len(self.heldout_index) == 0:
+            raise ValueError(f"{self.table.num_rows} rows split into {len(self.train_index)} training and "
+                             f"{len(self.heldout_index)} held-out rows: collect more data or change heldout_fraction")
+
+    def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows by table index -> column -> array [n, *shape] (bf16 columns as float32; text ids as lists)."""
+        t = self.table.take(pa.array(np.asarray(index, dtype=np.int64)))
+        out = {}
+        for name in t.schema.names:
+            col = t.column(name).combine_chunks()
+            if name in self.shapes and self.shapes[name][1]:
+                dt, shape = self.shapes[name]
+                arr = col.flatten().to_numpy(zero_copy_only=False).reshape(len(t), *shape)
+                out[name] = decode_bf16(arr) if dt == "bf16" else arr
+            elif pa.types.is_list(col.type):
+                out[name] = [np.asarray(v, dtype=np.int64) for v in col.to_pylist()]
+            else:
+                out[name] = col.to_numpy(zero_copy_only=False)
+        return out
+
+
+def _read_manifest(folder: str) -> dict:
+    path = os.path.join(folder, "manifest.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder!r} is not a collect output folder: no manifest.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+class BatchOrder:
+    """Which training rows each rank reads at each (step, micro step): epoch e is a permutation seeded by
+    (seed, e); a global batch of micro * accum * world consecutive entries is split rank-major per micro step."""
+
+    def __init__(self, n: int, *, micro: int, accum: int, world: int, seed: int):
+        self.n, self.micro, self.accum, self.world, self.seed = n, micro, accum, world, seed
+        self.global_batch = micro * accum * world
+        self.steps_per_epoch = n // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{n} training rows are fewer than one global batch ({micro} micro x {accum} accum x "
+                             f"{world} ranks = {self.global_batch}): lower micro_batch or collect more data")
+        self._epoch, self._perm = -1, None
+
+    def indices(self, step: int, micro_step: int, rank: int) -> np.ndarray:
+        """Positions into the training index for optimizer step `step` (0-based)."""
+        epoch, j = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g).numpy()
+        start = j * self.global_batch + (micro_step * self.world + rank) * self.micro
+        return self._perm[start:start + self.micro]

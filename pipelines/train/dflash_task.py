@@ -1,0 +1,160 @@
+"""DFlash drafter training for targets that have none (method.md 2.4), from target-regenerated sequences
+(collect's text-only shards), with the target's tap features computed here (online; small targets).
+
+Per sequence and step: random anchors a in [max(1, prompt_len), T-2]; block a = [x_a, MASK x (S-1)] at positions
+a..a+S-1 sees the context features at positions < a and its own block (`DFlashDrafter.forward_blocks`); block
+position k predicts x_{a+k}, weighted exp(-(k-1)/gamma). Anchors come from a generator keyed by
+(seed, step, micro step, rank, sequence): resuming needs no random state. Saved in z-lab's DFlash layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipelines.collect.config import ModelSpec
+from pipelines.collect.models import load_target
+from tfm_runtime.io import atomic_write_json
+from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
+from tfm_runtime.models.target import default_tap_layers
+
+
+def drafter_config(cfg, target, mask_token_id: int) -> DFlashConfig:
+    """A drafter shaped like the target's layers (heads, head dim, rope), `cfg.drafter_layers` deep."""
+    c = target.model.config
+    H, n = c.hidden_size, c.num_hidden_layers
+    heads = c.num_attention_heads
+    rope = getattr(c, "rope_parameters", None) or {}
+    theta = getattr(c, "rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 1e4
+    return DFlashConfig(hidden_size=H, intermediate_size=cfg.drafter_intermediate_size or 2 * H,
+                        num_hidden_layers=cfg.drafter_layers, num_attention_heads=heads,
+                        num_key_value_heads=getattr(c, "num_key_value_heads", heads) or heads,
+                        head_dim=getattr(c, "head_dim", None) or H // heads, vocab_size=c.vocab_size,
+                        num_target_layers=n, target_layer_ids=default_tap_layers(n, cfg.drafter_layers),
+                        mask_token_id=mask_token_id, block_size=cfg.block_size, rope_theta=float(theta),
+                        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6))
+
+
+def block_weights(S: int, gamma: float) -> torch.Tensor:
+    """[S-1] weights of block positions k = 1..S-1: exp(-(k-1)/gamma)."""
+    return torch.exp(-torch.arange(S - 1, dtype=torch.float32) / gamma)
+
+
+class DFlashObjective(nn.Module):
+    """forward(batch) -> (weighted CE over all blocks of the batch, number of scored positions)."""
+
+    def __init__(self, drafter: DFlashDrafter, target, gamma: float):
+        super().__init__()
+        self.drafter = drafter
+        object.__setattr__(self, "target", target)                 # frozen: not a submodule
+        self.register_buffer("weights", block_weights(drafter.cfg.block_size, gamma), persistent=False)
+
+    def blocks(self, seq: torch.Tensor, anchors: torch.Tensor):
+        """seq [T]; anchors [A] -> (logits [A, S-1, V] fp32, labels [A, S-1], valid [A, S-1], target argmax [T])."""
+        S, T = self.drafter.cfg.block_size, seq.shape[0]
+        with torch.no_grad():
+            out = self.target(seq[None])                                            # taps [1, T, n_taps*H]
+            argmax = out.logits[0].argmax(-1)                                       # [T]
+        dt = next(self.drafter.parameters()).dtype
+        taps = out.taps
+        ids = torch.full((anchors.shape[0], S), self.drafter.cfg.mask_token_id, dtype=torch.long, device=seq.device)
+        ids[:, 0] = seq[anchors]
+        emb = F.embedding(ids, self.target.embed_weight).to(dt)                      # [A, S, H]
+        hidden = self.drafter.forward_blocks(taps.to(dt), anchors, emb)              # [A, S, H]
+        logits = (hidden[:, 1:] @ self.target.lm_head_weight.to(dt).T).float()       # [A, S-1, V]
+        pos = anchors[:, None] + torch.arange(1, S, device=seq.device)               # [A, S-1]
+        valid = pos < T
+        labels = seq[pos.clamp(max=T - 1)]
+        return logits, labels, valid, argmax
+
+    def forward(self, batch: dict):
+        num = torch.zeros((), device=self.weights.device)
+        den = torch.zeros((), device=self.weights.device)
+        for seq, anchors in zip(batch["seqs"], batch["anchors"]):
+            if anchors.numel() == 0:
+                continue
+            logits, labels, valid, _ = self.blocks(seq, anchors)
+            ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+            w = self.weights[None] * valid
+            num, den = num + (ce * w).sum(), den + w.sum()
+        return num / den.clamp_min(1e-9), den
+
+
+def pick_anchors(T: int, prompt_len: int, count: int, g: torch.Generator) -> torch.Tensor:
+    lo, hi = max(1, prompt_len), T - 2
+    if hi < lo:
+        return torch.zeros(0, dtype=torch.long)
+    n = hi - lo + 1
+    return (torch.randperm(n, generator=g)[:count].sort().values + lo).long()
+
+
+class DFlashTask:
+    name = "dflash"
+
+    def __init__(self, cfg, device: torch.device, dtype: torch.dtype, run_dir: str):
+        from pipelines.train.data import ShardData
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.data = ShardData(cfg.data, mode="text_only", heldout_fraction=cfg.heldout_fraction,
+                              cache_dir=os.path.join(run_dir, "hf_cache"))
+        c = self.contract = self.data.contract
+        spec = cfg.target or ModelSpec(c.target_id, c.target_revision)
+        probe = load_target(spec, [], torch.device("cpu"), torch.float32)
+        dcfg = drafter_config(cfg, probe, c.mask_token_id)
+        del probe
+        self.target = load_target(spec, dcfg.target_layer_ids, device, dtype)
+        for p in self.target.model.parameters():
+            p.requires_grad_(False)
+        torch.manual_seed(cfg.seed)
+        self.objective = DFlashObjective(DFlashDrafter(dcfg), self.target, cfg.loss_decay_gamma)
+        self.train_index = self.data.train_index
+        g = torch.Generator().manual_seed(cfg.seed)
+        held = self.data.heldout_index
+        self.eval_index = np.sort(held[torch.randperm(len(held), generator=g).numpy()[:cfg.eval_rows]])
+        self.flops_per_item = None
+
+    def _batch(self, index: np.ndarray, seed_of) -> dict:
+        rows = self.data.rows(index)
+        seqs, anchors = [], []
+        for j, (ids, P, sid) in enumerate(zip(rows["input_ids"], rows["prompt_len"], rows["sample_id"])):
+            ids = ids[:self.cfg.max_seq_len]
+            g = torch.Generator().manual_seed(seed_of(j, int(sid)))
+            seqs.append(torch.from_numpy(ids).long().to(self.device))
+            anchors.append(pick_anchors(len(ids), int(P), self.cfg.anchors_per_sequence, g).to(self.device))
+        return {"seqs": seqs, "anchors": anchors}
+
+    def batch(self, positions: np.ndarray, step: int = 0, micro: int = 0, rank: int = 0) -> dict:
+        key = ((self.cfg.seed * 1_000_003 + step) * 101 + micro) * 1009 + rank
+        return self._batch(self.train_index[positions], lambda j, sid: key * 7919 + j)
+
+    @torch.no_grad()
+    def evaluate(self, objective: DFlashObjective) -> dict:
+        """Held-out: weighted CE, per-position top-1 accuracy, and the simulated greedy chain acceptance length
+        (1 + leading drafted tokens equal to the target's argmax, the continuation being the target's argmax)."""
+        b = self._batch(self.eval_index, lambda j, sid: self.cfg.seed * 1_000_003 + sid)
+        loss, _ = objective(b)
+        S = objective.drafter.cfg.block_size
+        hits, counts, accept = torch.zeros(S - 1), torch.zeros(S - 1), []
+        for seq, anchors in zip(b["seqs"], b["anchors"]):
+            if anchors.numel() == 0:
+                continue
+            logits, labels, valid, argmax = objective.blocks(seq, anchors)
+            pos = anchors[:, None] + torch.arange(1, S, device=seq.device)
+            truth = valid & (labels == argmax[(pos - 1).clamp(max=seq.shape[0] - 1)])     # greedy-acceptable
+            hit = (logits.argmax(-1) == labels) & valid
+            hits += hit.sum(0).cpu().float()
+            counts += valid.sum(0).cpu().float()
+            accept += (1 + (hit & truth).long().cumprod(-1).sum(-1)).tolist()
+        acc = (hits / counts.clamp_min(1)).tolist()
+        return {"loss": float(loss), "accept_chain": sum(accept) / max(1, len(accept)),
+                "top1_by_position": [round(x, 4) for x in acc], "blocks": len(accept),
+                "score": sum(accept) / max(1, len(accept))}
+
+    def save_model(self, objective: DFlashObjective, path: str, step: int, metrics: dict | None) -> None:
+        objective.drafter.save_pretrained(path)
+        atomic_write_json(os.path.join(path, "tfm_train.json"),
+                          {"step": step, "metrics": json.loads(json.dumps(metrics or {}, default=float)),
+                           "target": self.contract.target_id})

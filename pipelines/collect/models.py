@@ -21,6 +21,11 @@ def _tiny(spec: ModelSpec) -> tuple[str, int] | None:
     return parts[1], int(parts[2]) if len(parts) > 2 else 0
 
 
+def is_tiny(spec: ModelSpec) -> bool:
+    """A world built in code (`tiny:<family>[:seed]`), not a folder or Hub id."""
+    return _tiny(spec) is not None
+
+
 def resolve_device(cfg: CollectConfig) -> torch.device:
     if cfg.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

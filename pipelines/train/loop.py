@@ -86,19 +86,15 @@ class MetricsLog:
             self.tb.close()
 
 
-def _prepare_run_dir(cfg: TrainConfig, rank: int) -> None:
+def _check_run_dir(cfg: TrainConfig) -> None:
+    """A run folder resumes only a run of the same config (same trajectory)."""
     path = os.path.join(cfg.output_dir, "train_config.json")
-    if rank == 0:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        if os.path.isfile(path):
-            with open(path) as f:
-                old = json.load(f)
-            if old.get("run_hash") != cfg.run_hash():
-                raise ValueError(f"{cfg.output_dir} holds a run with another config (hash {old.get('run_hash')}, "
-                                 f"this one {cfg.run_hash()}): choose a new output_dir to start a new run")
-        atomic_write_json(path, {**cfg.to_dict(), "run_hash": cfg.run_hash(), "provenance": provenance()})
-    if dist.is_initialized():
-        dist.barrier()
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("run_hash") != cfg.run_hash():
+            raise ValueError(f"{cfg.output_dir} holds a run with another config (hash {old.get('run_hash')}, "
+                             f"this one {cfg.run_hash()}): choose a new output_dir to start a new run")
 
 
 def build_task(cfg: TrainConfig, device, dtype):
@@ -119,13 +115,17 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         torch.cuda.set_device(device)
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and want_cuda)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    _prepare_run_dir(cfg, rank)
+    _check_run_dir(cfg)
     # rank 0 builds the datasets cache first; the others then read it
     task = build_task(cfg, device, dtype) if rank == 0 else None
     if dist.is_initialized():
         dist.barrier()
     task = task or build_task(cfg, device, dtype)
     order = BatchOrder(len(task.train_index), micro=cfg.micro_batch, accum=cfg.grad_accum, world=world, seed=cfg.seed)
+    if rank == 0:                                            # the data and models are fine: the run starts here
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        atomic_write_json(os.path.join(cfg.output_dir, "train_config.json"),
+                          {**cfg.to_dict(), "run_hash": cfg.run_hash(), "provenance": provenance()})
     params = [p for p in task.objective.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from pipelines.collect.models import TINY_VOCAB, _tiny, load_target
+from pipelines.collect.models import is_tiny, load_target
 from tfm_runtime.models.weaver import Weaver, WeaverConfig
 
 FLOAT_COLUMNS = ("h_final", "dflash_hidden", "cand_logits")
@@ -23,7 +23,7 @@ def target_heads(spec, device: torch.device, dtype: torch.dtype) -> tuple[torch.
     """(input embedding [V, De], LM head [V, H]) of the target, frozen. A local safetensors folder is read
     tensor by tensor (two tensors, not the whole model); other targets are loaded through transformers."""
     files = sorted(glob.glob(os.path.join(spec.path, "*.safetensors"))) if os.path.isdir(spec.path) else []
-    if files and not spec.gguf_file and not _tiny(spec):
+    if files and not spec.gguf_file and not is_tiny(spec):
         from safetensors import safe_open
         found = {}
         for path in files:
@@ -80,7 +80,7 @@ def weaver_loss(logq, cand_ids, true_tokens, loss_mask, topk_ids, topk_logprobs,
     """
     if kind == "kl":
         match = cand_ids[..., None, :] == topk_ids[..., :, None]                         # [B, L, k, K]
-        p = (topk_logprobs.float().exp()[..., None] * match).sum(-2)                      # [B, L, K]
+        p = (topk_logprobs.to(logq.dtype).exp()[..., None] * match).sum(-2)                  # [B, L, K]
         mass = p.sum(-1)                                                                  # [B, L]
         valid = loss_mask & (mass > 0)
         pbar = p / mass.clamp_min(1e-30)[..., None]
@@ -151,9 +151,11 @@ def heldout_metrics(objective: WeaverObjective, b: dict) -> dict[str, float]:
 
 
 def save_weaver(weaver: Weaver, path: str, contract, step: int, metrics: dict | None) -> None:
-    extra = {"tfm": {"contract": contract.to_dict(), "step": step,
-                     "metrics": json.loads(json.dumps(metrics or {}, default=float))}}
+    """config.json (+ training step and held-out metrics under "tfm") + model.safetensors + contract.json: the
+    folder `tfm_runtime.load_adapter` reads and validates."""
+    extra = {"tfm": {"step": step, "metrics": json.loads(json.dumps(metrics or {}, default=float))}}
     weaver.save_pretrained(path, extra_config=extra)
+    contract.save(os.path.join(path, "contract.json"))
 
 
 def flops_per_row(wcfg: WeaverConfig) -> float:

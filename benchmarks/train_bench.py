@@ -1,0 +1,153 @@
+"""Weaver training throughput: samples/s, achieved TFLOP/s and MFU against the measured bf16 matmul rate.
+
+One GPU:   python -m benchmarks.train_bench --preset qwen36_27b --out benchmarks/results/train_h200.json
+Two GPUs:  deepspeed --num_gpus 2 --module benchmarks.train_bench --preset qwen36_27b --out .../train_2gpu_h200.json
+CPU smoke: python -m benchmarks.train_bench --preset tiny --steps 3 --warmup 1
+
+Synthetic anchor rows with the shard shapes of the preset (rows are random: step time does not depend on values)
+go through the real trainer objective under DeepSpeed (ZeRO-2, bf16 on GPU). The global batch is fixed, so a
+2-GPU run halves the per-rank micro batch and its loss trace is comparable with the 1-GPU run's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+PRESETS = {
+    # d_model, vocab, lookahead, candidate pool, target top-k, Weaver (d_rank, layers, heads, mlp)
+    "qwen36_27b": dict(d_model=5120, vocab=248320, L=15, K=512, k=32, weaver=None),
+    "tiny": dict(d_model=64, vocab=262, L=7, K=64, k=16, weaver=(32, 2, 2, 64)),
+}
+
+
+def synthetic_rows(n: int, p: dict, seed: int, device) -> dict[str, torch.Tensor]:
+    """n anchor rows; a quarter of the target's top-k overlaps the candidates, as in real shards."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    L, K, k, V, H = p["L"], p["K"], p["k"], p["vocab"], p["d_model"]
+    cand = torch.randint(0, V, (n, L, K), generator=g)
+    topk = torch.randint(0, V, (n, L, k), generator=g)
+    topk[..., : k // 4] = cand[..., : k // 4]
+    rows = {"h_final": torch.randn(n, H, generator=g), "dflash_hidden": torch.randn(n, L, H, generator=g),
+            "root_token": torch.randint(0, V, (n,), generator=g), "cand_ids": cand,
+            "cand_logits": torch.randn(n, L, K, generator=g) * 3,
+            "true_tokens": cand[..., 0].clone(), "target_topk_ids": topk,
+            "target_topk_logprobs": torch.log_softmax(torch.randn(n, L, k, generator=g), -1),
+            "loss_mask": torch.ones(n, L, dtype=torch.bool)}
+    return {name: t.to(device) for name, t in rows.items()}
+
+
+def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, iters: int = 20) -> float:
+    """The measured dense matmul rate (the MFU denominator)."""
+    if device.type != "cuda":
+        n, iters = 512, 3
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    _sync(device)
+    return 2 * n ** 3 * iters / (time.perf_counter() - t) / 1e12
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="qwen36_27b")
+    ap.add_argument("--global-batch", type=int, default=128, help="rows per optimizer step, all ranks together")
+    ap.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--zero-stage", type=int, default=2)
+    ap.add_argument("--loss", choices=["kl", "ce"], default="kl")
+    ap.add_argument("--out", help="write the JSON result here (rank 0)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    import deepspeed
+    import torch.distributed as dist
+
+    from benchmarks._timing import env_info
+    from pipelines.train.loop import init_distributed
+    from pipelines.train.weaver_task import WeaverObjective, depth_weights, flops_per_row, initial_weaver
+    from tfm_runtime.models.weaver import WeaverConfig
+
+    cuda = torch.cuda.is_available()
+    rank, world, local = init_distributed("cuda" if cuda else "cpu")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    p = PRESETS[args.preset]
+    if p["weaver"] is None:
+        wcfg = WeaverConfig.qwen36_27b()
+    else:
+        r, nl, nh, m = p["weaver"]
+        wcfg = WeaverConfig(d_model=p["d_model"], d_embed=p["d_model"], d_rank=r, num_layers=nl, num_heads=nh,
+                            mlp_dim=m, lookahead=p["L"], candidate_pool=p["K"])
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by the world size {world}")
+    micro = args.global_batch // world
+    g = torch.Generator(device="cpu").manual_seed(0)
+    embed = torch.randn(p["vocab"], p["d_model"], generator=g).to(device, dtype) * 0.02
+    lm_head = torch.randn(p["vocab"], p["d_model"], generator=g).to(device, dtype) * 0.02
+    obj = WeaverObjective(initial_weaver(wcfg, 0), embed, lm_head, kind=args.loss, weights=depth_weights(p["L"], None))
+    opt = torch.optim.AdamW(obj.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
+    ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+              "train_batch_size": args.global_batch, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": cuda}, "steps_per_print": 10 ** 9}
+    engine, _, _, _ = deepspeed.initialize(model=obj, optimizer=opt, config=ds_cfg, dist_init_required=False)
+    pool = [synthetic_rows(args.global_batch, p, seed=s, device=device) for s in range(4)]
+    for b in pool:
+        for name in ("h_final", "dflash_hidden", "cand_logits"):
+            b[name] = b[name].to(dtype)
+
+    losses, times = [], []
+    for step in range(args.warmup + args.steps):
+        full = pool[step % len(pool)]
+        batch = {n: t[rank * micro:(rank + 1) * micro] for n, t in full.items()}
+        _sync(device)
+        t0 = time.perf_counter()
+        loss, _ = engine(batch)
+        engine.backward(loss)
+        engine.step()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        total = loss.detach().float()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        losses.append(float(total) / world)
+        if step >= args.warmup:
+            times.append(dt)
+    times.sort()
+    step_s = times[len(times) // 2]
+    flops = flops_per_row(wcfg) * args.global_batch / step_s / 1e12                     # all ranks together
+    peak = matmul_peak_tflops(device)
+    result = {"preset": args.preset, "weaver_params": sum(q.numel() for q in obj.weaver.parameters()),
+              "world_size": world, "global_batch": args.global_batch, "micro_batch_per_rank": micro,
+              "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32",
+              "median_step_s": step_s, "samples_per_s": args.global_batch / step_s,
+              "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),
+              "flops_per_sample": flops_per_row(wcfg), "loss_trace": losses,
+              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None, "env": env_info()}
+    if rank == 0:
+        print(f"{'preset':<12}{'gpus':>5}{'batch':>7}{'step ms':>9}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
+        print(f"{args.preset:<12}{world:>5}{args.global_batch:>7}{step_s * 1e3:>9.2f}{result['samples_per_s']:>11.1f}"
+              f"{flops:>9.1f}{result['mfu']:>7.1%}")
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Training end to end on tiny-world shards, through the real launchers (subprocesses, CPU, gloo):
+a 2-process ZeRO-2 Weaver run, a SIGKILL + resume, DFlash drafter training, and refusals of bad input."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+TOPICS = ["rivers", "prime numbers", "bread", "volcanoes", "chess", "tides", "owls", "glass", "maps", "clocks", "bees",
+          "salt"]
+WEAVER = {"d_rank": 64, "num_layers": 2, "num_heads": 2, "mlp_dim": 128, "lr": 3e-3, "warmup_steps": 5,
+          "heldout_fraction": 0.15, "eval_budgets": [8, 16]}
+
+
+def _env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _write(path, obj) -> str:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+    return str(path)
+
+
+def _metrics(run: str) -> list[dict]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Anchor shards and text-only shards of 96 prompts on the tiny llama world, collected in process."""
+    from pipelines.collect.__main__ import run
+    from pipelines.collect.config import CollectConfig
+    d = tmp_path_factory.mktemp("train_data")
+    with open(d / "prompts.jsonl", "w") as f:
+        for i in range(96):
+            f.write(json.dumps({"prompt": f"Tell me about {TOPICS[i % 12]} and {TOPICS[i * 7 % 12]} ({i})."}) + "\n")
+    base = {"target": "tiny:llama:0", "drafter": "tiny:llama:0", "inputs": [str(d / "prompts.jsonl")],
+            "max_new_tokens": 40, "anchors_per_sequence": 8, "candidate_pool": 64, "target_topk": 16,
+            "samples_per_shard": 32, "max_prompt_tokens": 256}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run(CollectConfig.from_dict({**base, "output_dir": str(d / "anchors")}), progress=False, use_ray=False)
+        run(CollectConfig.from_dict({**base, "output_dir": str(d / "text"), "text_only": True, "max_new_tokens": 64}),
+            progress=False, use_ray=False)
+        run(CollectConfig.from_dict({**base, "output_dir": str(d / "nocand"), "store_candidates": False,
+                                     "limit": 8}), progress=False, use_ray=False)
+    finally:
+        torch.set_num_threads(threads)
+    return d
+
+
+# ---- 1. deepspeed launcher, 2 processes, ZeRO-2 ---------------------------------------------------------------
+def test_two_process_zero2_lowers_loss_and_raises_simulated_acceptance(data, tmp_path):
+    from tfm_runtime import load_adapter
+    run = str(tmp_path / "run")
+    cfg = _write(tmp_path / "train.json", {**WEAVER, "data": [str(data / "anchors")], "output_dir": run, "steps": 60,
+                                           "micro_batch": 8, "grad_accum": 2, "zero_stage": 2, "eval_every": 30,
+                                           "eval_rows": 64, "checkpoint_every": 20, "keep_last": 1, "log_every": 1})
+    r = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port",
+              str(_port()), "--module", "pipelines.train", "--config", cfg, "--no-progress"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    with open(os.path.join(run, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["world_size"] == 2 and summary["steps"] == 60
+    # ZeRO-2 across 2 ranks: the optimizer state is partitioned, one file per rank
+    ck = sorted(glob.glob(os.path.join(run, "checkpoints", "step-*")))
+    assert os.path.basename(ck[-1]) == "step-00000060"
+    assert len(glob.glob(os.path.join(ck[-1], "zero_pp_rank_*_optim_states.pt"))) == 2
+    assert len(glob.glob(os.path.join(ck[-1], "rng_rank*.safetensors"))) == 2
+    best = summary["best"]["step"]
+    assert {os.path.basename(p) for p in ck} <= {"step-00000060", f"step-{best:08d}"}        # keep_last 1 + best
+
+    m = _metrics(run)
+    losses = [x["loss"] for x in m if x["kind"] == "train"]
+    assert len(losses) == 60 and sum(losses[-10:]) / 10 < 0.75 * sum(losses[:5]) / 5
+    ev = {x["step"]: x for x in m if x["kind"] == "eval"}
+    first, last = ev[0], ev[60]
+    # the initial Weaver has a zero residual: it proposes DFlash's marginals exactly
+    assert first["accept_chain_weaver"] == first["accept_chain_dflash"]
+    assert first["top1_weaver"] == first["top1_dflash"]
+    assert last["loss"] < 0.8 * first["loss"]
+    assert last["accept_chain_weaver"] > first["accept_chain_weaver"] + 0.3
+    assert last["accept_weaver_16"] > first["accept_weaver_16"] + 0.2
+    assert last["accept_weaver_16"] > last["accept_ddtree_16"]
+
+    # the saved adapter loads through the runtime and reproduces the logged evaluation
+    w = load_adapter(os.path.join(run, "final"))
+    assert w.contract is not None and w.contract.candidate_pool == 64
+    best_w = load_adapter(os.path.join(run, "best"))
+    with open(os.path.join(run, "best", "config.json")) as f:
+        assert json.load(f)["tfm"]["step"] == best
+    assert sum(p.numel() for p in best_w.parameters()) == sum(p.numel() for p in w.parameters())
+
+
+def _port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- 2. SIGKILL after a checkpoint, resume: the same loss trace ------------------------------------------------
+def test_resume_after_sigkill_gives_the_uninterrupted_loss_trace(data, tmp_path):
+    base = {**WEAVER, "data": [str(data / "anchors")], "steps": 40, "micro_batch": 8, "grad_accum": 2,
+            "eval_every": 30, "eval_rows": 16, "eval_budgets": [4], "checkpoint_every": 20, "log_every": 1,
+            "precision": "fp32"}
+    ref = str(tmp_path / "ref")
+    cfg = _write(tmp_path / "ref.json", {**base, "output_dir": ref})
+    r = _run([sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"])
+    assert r.returncode == 0, r.stderr[-5000:]
+
+    run = str(tmp_path / "killed")
+    cfg = _write(tmp_path / "killed.json", {**base, "output_dir": run})
+    cmd = [sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"]
+    log = open(tmp_path / "killed.log", "w")
+    p = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    latest = os.path.join(run, "checkpoints", "latest.json")
+    t_end = time.monotonic() + 300
+    while time.monotonic() < t_end and p.poll() is None:
+        try:
+            with open(latest) as f:
+                if json.load(f)["step"] == 20:
+                    p.send_signal(signal.SIGKILL)
+                    break
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.02)
+    p.wait(timeout=60)
+    log.close()
+    assert p.returncode == -signal.SIGKILL, open(tmp_path / "killed.log").read()[-3000:]
+    assert not os.path.exists(os.path.join(run, "summary.json"))                    # it died mid-run
+    r = _run(cmd)
+    assert r.returncode == 0, r.stderr[-5000:]
+    assert "resumed from step-00000020" in r.stderr
+
+    def trace(path):
+        return [(x["step"], x["loss"]) for x in _metrics(path) if x["kind"] == "train"]
+
+    a, b = trace(ref), trace(run)
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 41))                # no step twice, none missing
+    assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) <= 1e-5
+    from tfm_runtime.models.common import load_safetensors_dir
+    _, wa = load_safetensors_dir(os.path.join(ref, "final"))
+    _, wb = load_safetensors_dir(os.path.join(run, "final"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-5)
+
+
+# ---- 3. a DFlash drafter for a target that has none ------------------------------------------------------------
+def test_dflash_training_beats_random_init_and_saves_zlab_layout(data, tmp_path):
+    from pipelines.collect.config import ModelSpec
+    from pipelines.collect.models import drafter_config, load_target
+    from tfm_runtime import SpeculativeDecoder
+    from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
+    run = str(tmp_path / "dflash")
+    cfg = _write(tmp_path / "dflash.json", {"data": [str(data / "text")], "output_dir": run, "model": "dflash",
+                                            "drafter_layers": 1, "block_size": 8, "anchors_per_sequence": 8,
+                                            "steps": 300, "micro_batch": 4, "lr": 3e-3, "warmup_steps": 20,
+                                            "heldout_fraction": 0.15, "eval_every": 150, "eval_rows": 16,
+                                            "checkpoint_every": 300, "log_every": 10})
+    r = _run([sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"])
+    assert r.returncode == 0, r.stderr[-5000:]
+    ev = {x["step"]: x for x in _metrics(run) if x["kind"] == "eval"}
+    assert ev[300]["loss"] < 0.8 * ev[0]["loss"]
+    assert ev[300]["accept_chain"] > ev[0]["accept_chain"] + 1.0
+
+    folder = os.path.join(run, "final")
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    assert hf["architectures"] == ["DFlashDraftModel"] and hf["block_size"] == 8
+    assert set(hf["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
+    assert not glob.glob(os.path.join(folder, "*.bin")) and not glob.glob(os.path.join(folder, "*.pt"))
+    trained = DFlashDrafter.from_pretrained(folder).eval()
+    assert drafter_config(ModelSpec(folder)).to_hf_dict() == trained.cfg.to_hf_dict()   # collect can use it
+
+    # Decoding with the real speculative decoder: more tokens per verify step than the random initialisation,
+    # and still exactly the target's greedy output.
+    torch.manual_seed(0)
+    init = DFlashDrafter(DFlashConfig.from_hf_dict(hf)).eval()
+    target = load_target(ModelSpec("tiny:llama:0"), trained.cfg.target_layer_ids, torch.device("cpu"), torch.float32)
+    from pipelines.collect.models import load_tokenizer
+    tok = load_tokenizer(ModelSpec("tiny:llama:0"))
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Tell me about {TOPICS[i]} and {TOPICS[-i]} "
+                                                                     f"({500 + i})."}],
+                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+               for i in range(4)]                                                   # unseen, in distribution
+
+    def accept(drafter):
+        dec = SpeculativeDecoder(target, drafter, None, tree_budget=7, proposal="chain")
+        outs = [dec.generate(p, max_new_tokens=32, temperature=0.0) for p in prompts]
+        return outs, sum(o.stats.acceptance_length for o in outs) / len(outs)
+
+    outs_t, a_trained = accept(trained)
+    outs_i, a_init = accept(init)
+    assert a_trained > a_init + 1.0, (a_trained, a_init)
+    assert [o.tokens for o in outs_t] == [o.tokens for o in outs_i]                      # lossless either way
+
+
+# ---- 4. bad input: clear errors before any training ------------------------------------------------------------
+def test_bad_inputs_are_refused_with_clear_errors(data, tmp_path):
+    base = {**WEAVER, "steps": 2, "micro_batch": 4, "eval_rows": 4, "eval_budgets": [4]}
+    cases = [({"data": [str(data / "nocand")]}, "store_candidates: false"),             # (more in test_train_units)
+             ({"data": [str(data / "anchors")], "micro_batch": 4096}, "fewer than one global batch")]
+    for i, (extra, message) in enumerate(cases):
+        out = str(tmp_path / f"run{i}")
+        cfg = _write(tmp_path / f"bad{i}.json", {**base, "output_dir": out, **extra})
+        r = _run([sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"])
+        assert r.returncode == 2 and message in r.stderr, (message, r.stderr[-2000:])
+        assert not glob.glob(os.path.join(out, "checkpoints", "step-*"))
+    # a run folder of another config is never resumed into
+    other = tmp_path / "other_run"
+    other.mkdir()
+    _write(other / "train_config.json", {"run_hash": "0123456789ab"})
+    cfg = _write(tmp_path / "other.json", {**base, "data": [str(data / "anchors")], "output_dir": str(other)})
+    r = _run([sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"])
+    assert r.returncode == 2 and "holds a run with another config" in r.stderr, r.stderr[-2000:]
+    assert os.listdir(other) == ["train_config.json"]
+
+
+# ---- 5. the throughput benchmark (run on the H200 for train_h200.json) works end to end ----------------------
+def test_train_bench_smoke_on_cpu(tmp_path):
+    out = str(tmp_path / "bench.json")
+    r = _run([sys.executable, "-m", "benchmarks.train_bench", "--preset", "tiny", "--steps", "2", "--warmup", "1",
+              "--global-batch", "8", "--out", out])
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert res["world_size"] == 1 and res["samples_per_s"] > 0 and len(res["loss_trace"]) == 3
+    assert all(x == x and x > 0 for x in res["loss_trace"]) and res["flops_per_sample"] > 0

@@ -121,8 +121,8 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-# ---- 2. SIGKILL after a checkpoint, resume: the same loss trace ------------------------------------------------
-def test_resume_after_sigkill_gives_the_uninterrupted_loss_trace(data, tmp_path):
+# ---- 2. SIGKILL after a checkpoint, or SIGTERM, then resume: the same loss trace ------------------------------------------------
+def test_resume_after_sigkill_or_sigterm_gives_the_uninterrupted_loss_trace(data, tmp_path):
     base = {**WEAVER, "data": [str(data / "anchors")], "steps": 40, "micro_batch": 8, "grad_accum": 2,
             "eval_every": 30, "eval_rows": 16, "eval_budgets": [4], "checkpoint_every": 20, "log_every": 1,
             "precision": "fp32"}
@@ -166,6 +166,32 @@ def test_resume_after_sigkill_gives_the_uninterrupted_loss_trace(data, tmp_path)
     _, wb = load_safetensors_dir(os.path.join(run, "final"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-5)
+
+    # SIGTERM (a preempting scheduler): a checkpoint at the next step boundary, exit code 143, then resume.
+    run = str(tmp_path / "preempted")
+    cfg = _write(tmp_path / "preempted.json", {**base, "output_dir": run, "checkpoint_every": 1000})
+    cmd = [sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"]
+    p = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t_end = time.monotonic() + 300
+    while time.monotonic() < t_end and p.poll() is None:
+        try:
+            if sum(x["kind"] == "train" for x in _metrics(run)) >= 3:
+                p.send_signal(signal.SIGTERM)
+                break
+        except (FileNotFoundError, ValueError, KeyError):
+            pass
+        time.sleep(0.02)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 143, out[-3000:]
+    with open(os.path.join(run, "checkpoints", "latest.json")) as f:
+        stopped = json.load(f)["step"]
+    assert 3 <= stopped < 40 and "checkpoint saved" in out
+    assert not os.path.exists(os.path.join(run, "final")) and not os.path.exists(os.path.join(run, "summary.json"))
+    r = _run(cmd)
+    assert r.returncode == 0 and f"resumed from step-{stopped:08d}" in r.stderr, r.stderr[-3000:]
+    c = trace(run)
+    assert [s for s, _ in c] == list(range(1, 41))
+    assert max(abs(x - y) for (_, x), (_, y) in zip(a, c)) <= 1e-5
 
 
 # ---- 3. a DFlash drafter for a target that has none ------------------------------------------------------------

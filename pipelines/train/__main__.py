@@ -5,7 +5,8 @@
   torchrun --nproc_per_node 2 -m pipelines.train --config train.yaml     # the same through torchrun
 
 The run folder (output_dir) gets train_config.json, metrics.jsonl, tb/, checkpoints/, best/, final/ and
-summary.json. Running the same command again resumes from the last checkpoint.
+summary.json. Running the same command again resumes from the last checkpoint. SIGTERM or SIGUSR1 (a
+preempting scheduler) makes every rank checkpoint at the next step boundary and exit with code 143.
 """
 from __future__ import annotations
 
@@ -37,11 +38,14 @@ def main(argv=None) -> int:
             cfg.output_dir = args.output_dir
         if args.model:
             cfg.model = args.model
-        from pipelines.train.loop import train
+        from pipelines.train.loop import Stopped, train
         summary = train(cfg, progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as e:
         log.error("%s", e)
         return 2
+    except Stopped as e:                                   # SIGTERM / SIGUSR1: preempted, checkpoint written
+        log.warning("%s", e)
+        return 143
     if rank == 0:
         print(json.dumps(summary, indent=2))
     return 0

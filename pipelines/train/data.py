@@ -108,3 +108,12 @@ class BatchOrder:
             self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g).numpy()
         start = j * self.global_batch + (micro_step * self.world + rank) * self.micro
         return self._perm[start:start + self.micro]
+
+
+def open_run_data(cfg, mode: str) -> tuple[ShardData, np.ndarray]:
+    """A run's shards and the fixed held-out rows it evaluates on (`cfg.eval_rows` of them, chosen by the seed)."""
+    data = ShardData(cfg.data, mode=mode, heldout_fraction=cfg.heldout_fraction,
+                     cache_dir=os.path.join(cfg.output_dir, "hf_cache"))
+    held = data.heldout_index
+    pick = torch.randperm(len(held), generator=torch.Generator().manual_seed(cfg.seed)).numpy()[:cfg.eval_rows]
+    return data, np.sort(held[pick])

@@ -95,11 +95,10 @@ def pick_anchors(T: int, prompt_len: int, count: int, g: torch.Generator) -> tor
 class DFlashTask:
     name = "dflash"
 
-    def __init__(self, cfg, device: torch.device, dtype: torch.dtype, run_dir: str):
-        from pipelines.train.data import ShardData
+    def __init__(self, cfg, device: torch.device, dtype: torch.dtype):
+        from pipelines.train.data import open_run_data
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.data = ShardData(cfg.data, mode="text_only", heldout_fraction=cfg.heldout_fraction,
-                              cache_dir=os.path.join(run_dir, "hf_cache"))
+        self.data, self.eval_index = open_run_data(cfg, "text_only")
         c = self.contract = self.data.contract
         spec = cfg.target or ModelSpec(c.target_id, c.target_revision)
         probe = load_target(spec, [], torch.device("cpu"), torch.float32)
@@ -111,9 +110,6 @@ class DFlashTask:
         torch.manual_seed(cfg.seed)
         self.objective = DFlashObjective(DFlashDrafter(dcfg), self.target, cfg.loss_decay_gamma)
         self.train_index = self.data.train_index
-        g = torch.Generator().manual_seed(cfg.seed)
-        held = self.data.heldout_index
-        self.eval_index = np.sort(held[torch.randperm(len(held), generator=g).numpy()[:cfg.eval_rows]])
         self.flops_per_item = None
 
     def _batch(self, index: np.ndarray, seed_of) -> dict:

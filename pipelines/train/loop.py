@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import time
 
@@ -49,6 +50,31 @@ def lr_lambda(cfg: TrainConfig):
         t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
     return f
+
+
+class StopRequest:
+    """SIGTERM or SIGUSR1 (a preempting scheduler) asks for a checkpoint at the next step boundary and an exit
+    with code 143; running the same command again resumes there. Every rank agrees through the per-step
+    all-reduce, so all of them stop at the same step."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {s: signal.signal(s, self._handler) for s in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def _handler(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+
+class Stopped(Exception):
+    """Raised after the checkpoint of a requested stop is written."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped by a signal at step {step}; checkpoint saved; run the same command to resume")
+        self.step = step
 
 
 class MetricsLog:
@@ -100,102 +126,136 @@ def _check_run_dir(cfg: TrainConfig) -> None:
 def build_task(cfg: TrainConfig, device, dtype):
     if cfg.model == "weaver":
         from pipelines.train.weaver_task import WeaverTask
-        return WeaverTask(cfg, device, dtype, cfg.output_dir)
+        return WeaverTask(cfg, device, dtype)
     from pipelines.train.dflash_task import DFlashTask
-    return DFlashTask(cfg, device, dtype, cfg.output_dir)
+    return DFlashTask(cfg, device, dtype)
 
 
 def train(cfg: TrainConfig, progress: bool = True) -> dict:
-    import deepspeed
-    from tqdm.auto import tqdm
-    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    rank, world, local_rank = init_distributed("cuda" if want_cuda else "cpu")
-    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
-    if want_cuda:
-        torch.cuda.set_device(device)
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and want_cuda)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    _check_run_dir(cfg)
-    # rank 0 builds the datasets cache first; the others then read it
-    task = build_task(cfg, device, dtype) if rank == 0 else None
-    if dist.is_initialized():
-        dist.barrier()
-    task = task or build_task(cfg, device, dtype)
-    order = BatchOrder(len(task.train_index), micro=cfg.micro_batch, accum=cfg.grad_accum, world=world, seed=cfg.seed)
-    if rank == 0:                                            # the data and models are fine: the run starts here
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        atomic_write_json(os.path.join(cfg.output_dir, "train_config.json"),
-                          {**cfg.to_dict(), "run_hash": cfg.run_hash(), "provenance": provenance()})
-    params = [p for p in task.objective.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    engine, _, _, _ = deepspeed.initialize(model=task.objective, optimizer=opt, lr_scheduler=sched,
-                                           config=cfg.deepspeed_config(world, bf16), dist_init_required=False)
-    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
-    start, best = 0, {"score": -math.inf, "step": None}
-    info = checkpoint.latest(ckpt_dir)
-    if info:
-        client = checkpoint.load(engine, ckpt_dir, info)
-        start, best = int(client["step"]), client["best"]
-        if rank == 0:
-            log.info("resumed from %s (step %d of %d)", info["tag"], start, cfg.steps)
-    metrics = MetricsLog(cfg.output_dir, start, rank == 0)
+    """Run (or resume) the training run `cfg` describes; -> summary. Raises Stopped after a signal's checkpoint."""
+    return Trainer(cfg).run(progress)
 
-    def evaluate(step: int) -> None:
-        if rank == 0:
-            engine.module.eval()
-            ev = task.evaluate(engine.module)
-            engine.module.train()
-            metrics.write("eval", step, ev)
-            log.info("step %d eval: %s", step, {k: v for k, v in ev.items() if not isinstance(v, list)})
-            if ev["score"] > best["score"]:
-                best.update(score=ev["score"], step=step)
-                task.save_model(engine.module, os.path.join(cfg.output_dir, "best"), step, ev)
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        import deepspeed
+        self.cfg = cfg
+        want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        self.rank, self.world, local_rank = init_distributed("cuda" if want_cuda else "cpu")
+        self.device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+        if want_cuda:
+            torch.cuda.set_device(self.device)
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and want_cuda)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        _check_run_dir(cfg)
+        # rank 0 builds the datasets cache first; the others then read it
+        task = build_task(cfg, self.device, dtype) if self.rank == 0 else None
+        self.barrier()
+        self.task = task or build_task(cfg, self.device, dtype)
+        self.order = BatchOrder(len(self.task.train_index), micro=cfg.micro_batch, accum=cfg.grad_accum,
+                                world=self.world, seed=cfg.seed)
+        if self.rank == 0:                                       # data and models are fine: the run starts here
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            atomic_write_json(os.path.join(cfg.output_dir, "train_config.json"),
+                              {**cfg.to_dict(), "run_hash": cfg.run_hash(), "provenance": provenance()})
+        params = [p for p in self.task.objective.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+        self.engine, _, _, _ = deepspeed.initialize(model=self.task.objective, optimizer=opt, lr_scheduler=self.sched,
+                                                    config=cfg.deepspeed_config(self.world, bf16),
+                                                    dist_init_required=False)
+        self.ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+        self.start, self.best = 0, {"score": -math.inf, "step": None}
+        info = checkpoint.latest(self.ckpt_dir)
+        if info:
+            client = checkpoint.load(self.engine, self.ckpt_dir, info)
+            self.start, self.best = int(client["step"]), client["best"]
+            if self.rank == 0:
+                log.info("resumed from %s (step %d of %d)", info["tag"], self.start, cfg.steps)
+        self.metrics = MetricsLog(cfg.output_dir, self.start, self.rank == 0)
+
+    def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
 
-    if start == 0:
-        evaluate(0)
-    engine.module.train()
-    t_run, items = time.perf_counter(), 0
-    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {task.name}", disable=not (progress and rank == 0))
-    for step in range(start, cfg.steps):
+    def run(self, progress: bool) -> dict:
+        from tqdm.auto import tqdm
+        cfg = self.cfg
+        if self.start == 0:
+            self.evaluate(0)
+        self.engine.module.train()
+        t_run, items = time.perf_counter(), 0
+        self.bar = tqdm(total=cfg.steps, initial=self.start, desc=f"train {self.task.name}",
+                        disable=not (progress and self.rank == 0))
+        stop = StopRequest()
+        try:
+            for step in range(self.start, cfg.steps):
+                requested = self.step(step, stop.requested)
+                items += self.order.global_batch
+                if requested and step + 1 < cfg.steps:
+                    if (step + 1) % cfg.checkpoint_every:
+                        self.save(step + 1)
+                    raise Stopped(step + 1)
+        finally:
+            stop.restore()
+            self.bar.close()
+            self.metrics.close()
+        seconds = time.perf_counter() - t_run
+        summary = {"steps": cfg.steps, "resumed_from": self.start, "best": self.best, "world_size": self.world,
+                   "items_per_s": items / seconds if items else None, "seconds": round(seconds, 2)}
+        if self.rank == 0:
+            self.task.save_model(self.engine.module, os.path.join(cfg.output_dir, "final"), cfg.steps, None)
+            atomic_write_json(os.path.join(cfg.output_dir, "summary.json"), summary)
+        self.barrier()
+        return summary
+
+    def step(self, step: int, stop_requested: bool) -> bool:
+        """Optimizer step `step` (grad_accum micro steps), then logging, evaluation and checkpoints as due.
+        Returns whether any rank was asked to stop."""
+        cfg, engine = self.cfg, self.engine
         t0 = time.perf_counter()
-        total = torch.zeros((), device=device)
+        total = torch.zeros(2, device=self.device)                         # [loss sum, stop requests]
         for m in range(cfg.grad_accum):
-            batch = task.batch(order.indices(step, m, rank), step, m, rank)
+            batch = self.task.batch(self.order.indices(step, m, self.rank), step, m, self.rank)
             loss, _ = engine(batch)
             engine.backward(loss)
             engine.step()
-            total += loss.detach().float()
+            total[0] += loss.detach().float()
+        total[1] = float(stop_requested)
         if dist.is_initialized():
             dist.all_reduce(total)
         done = step + 1
-        items += order.global_batch
-        loss_mean = float(total) / (cfg.grad_accum * world)
+        loss_mean = float(total[0]) / (cfg.grad_accum * self.world)
         if not math.isfinite(loss_mean):
             raise FloatingPointError(f"step {done}: loss is {loss_mean}; stopping (last checkpoint is kept)")
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_mean:.4f}")
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss_mean:.4f}")
         if done % cfg.log_every == 0 or done == cfg.steps:
             gn = engine.get_global_grad_norm()
-            metrics.write("train", done, {"loss": loss_mean, "lr": sched.get_last_lr()[0],
-                                          "grad_norm": float(gn) if gn is not None else None,
-                                          "step_seconds": time.perf_counter() - t0})
+            self.metrics.write("train", done, {"loss": loss_mean, "lr": self.sched.get_last_lr()[0],
+                                               "grad_norm": float(gn) if gn is not None else None,
+                                               "step_seconds": time.perf_counter() - t0})
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            evaluate(done)
+            self.evaluate(done)
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            keep = {best["step"]} if best["step"] is not None else set()
-            checkpoint.save(engine, ckpt_dir, done, {"step": done, "best": best, "run_hash": cfg.run_hash()},
-                            keep_last=cfg.keep_last, keep=keep)
-    bar.close()
-    seconds = time.perf_counter() - t_run
-    summary = {"steps": cfg.steps, "resumed_from": start, "best": best, "world_size": world,
-               "items_per_s": items / seconds if items else None, "seconds": round(seconds, 2)}
-    if rank == 0:
-        task.save_model(engine.module, os.path.join(cfg.output_dir, "final"), cfg.steps, None)
-        atomic_write_json(os.path.join(cfg.output_dir, "summary.json"), summary)
-    metrics.close()
-    if dist.is_initialized():
-        dist.barrier()
-    return summary
+            self.save(done)
+        return bool(total[1] > 0)
+
+    def evaluate(self, step: int) -> None:
+        if self.rank == 0:
+            module = self.engine.module
+            module.eval()
+            ev = self.task.evaluate(module)
+            module.train()
+            self.metrics.write("eval", step, ev)
+            log.info("step %d eval: %s", step, {k: v for k, v in ev.items() if not isinstance(v, list)})
+            if ev["score"] > self.best["score"]:
+                self.best.update(score=ev["score"], step=step)
+                self.task.save_model(module, os.path.join(self.cfg.output_dir, "best"), step, ev)
+        self.barrier()
+
+    def save(self, done: int) -> None:
+        keep = {self.best["step"]} if self.best["step"] is not None else set()
+        checkpoint.save(self.engine, self.ckpt_dir, done, {"step": done, "best": self.best,
+                                                           "run_hash": self.cfg.run_hash()},
+                        keep_last=self.cfg.keep_last, keep=keep)

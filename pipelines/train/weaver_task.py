@@ -170,18 +170,16 @@ def flops_per_row(wcfg: WeaverConfig) -> float:
     return 3.0 * fwd
 
 
-
 class WeaverTask:
     """Data, objective, evaluation and artifact of Weaver training (what the generic loop needs)."""
 
     name = "weaver"
 
-    def __init__(self, cfg, device: torch.device, dtype: torch.dtype, run_dir: str):
+    def __init__(self, cfg, device: torch.device, dtype: torch.dtype):
         from pipelines.collect.config import ModelSpec
-        from pipelines.train.data import ShardData
+        from pipelines.train.data import open_run_data
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.data = ShardData(cfg.data, mode="anchors", heldout_fraction=cfg.heldout_fraction,
-                              cache_dir=os.path.join(run_dir, "hf_cache"))
+        self.data, self.eval_index = open_run_data(cfg, "anchors")
         c = self.contract = self.data.contract
         if "cand_ids" not in self.data.shapes:
             raise ValueError(f"{cfg.data}: the shards were collected with store_candidates: false; Weaver training "
@@ -196,9 +194,6 @@ class WeaverTask:
         self.objective = WeaverObjective(initial_weaver(self.wcfg, cfg.seed), embed, head, kind=cfg.loss,
                                          weights=depth_weights(self.wcfg.lookahead, cfg.depth_gamma))
         self.train_index = self.data.train_index
-        g = torch.Generator().manual_seed(cfg.seed)
-        held = self.data.heldout_index
-        self.eval_index = np.sort(held[torch.randperm(len(held), generator=g).numpy()[:cfg.eval_rows]])
         self.flops_per_item = flops_per_row(self.wcfg)
 
     def batch(self, positions: np.ndarray, step: int = 0, micro: int = 0, rank: int = 0) -> dict:

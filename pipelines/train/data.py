@@ -36,9 +36,10 @@ class ShardData:
                                  f"{SHARD_SCHEMA_VERSION}")
             check_compatible(self.contract, Contract.from_dict(m["contract"]), strict_ids=True,
                              where=f"{folder} vs {folders[0]}")
-            if m["config"].get("target_topk") != first["config"].get("target_topk"):
-                raise ValueError(f"{folder}: target_topk {m['config'].get('target_topk')} differs from "
-                                 f"{first['config'].get('target_topk')} in {folders[0]}")
+            for key in ("target_topk", "store_candidates"):              # the columns must agree
+                if m["config"].get(key) != first["config"].get(key):
+                    raise ValueError(f"{folder}: {key} {m['config'].get(key)} differs from "
+                                     f"{first['config'].get(key)} in {folders[0]}")
         files, source = [], []
         for i, (folder, m) in enumerate(zip(folders, manifests)):
             for name in sorted(m["shards"]):

@@ -130,6 +130,18 @@ def to_batch(rows: dict[str, np.ndarray], device: torch.device, dtype: torch.dty
     return out
 
 
+@torch.no_grad()
+def candidates_from_hidden(dflash_hidden: torch.Tensor, lm_head: torch.Tensor, K: int, chunk: int = 8):
+    """DFlash's top-K candidates per depth from its stored hidden states, as collect computes them:
+    dflash_hidden [B, L, H], lm_head [V, H] -> (cand_ids [B, L, K] long, cand_logits [B, L, K] (raw logits))."""
+    ids, vals = [], []
+    for i in range(0, dflash_hidden.shape[0], chunk):
+        logits = dflash_hidden[i:i + chunk] @ lm_head.T                                # [b, L, V]
+        v, j = logits.topk(K, dim=-1)
+        ids.append(j), vals.append(v)
+    return torch.cat(ids), torch.cat(vals)
+
+
 def heldout_metrics(objective: WeaverObjective, b: dict) -> dict[str, float]:
     """Loss, per-depth candidate hit rate and top-1 agreement (Weaver and DFlash) with the target's argmax."""
     with torch.no_grad():
@@ -181,9 +193,8 @@ class WeaverTask:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.data, self.eval_index = open_run_data(cfg, "anchors")
         c = self.contract = self.data.contract
-        if "cand_ids" not in self.data.shapes:
-            raise ValueError(f"{cfg.data}: the shards were collected with store_candidates: false; Weaver training "
-                             f"needs cand_ids/cand_logits (collect again with store_candidates: true)")
+        # Shards collected with store_candidates: false (half the bytes) get their candidates recomputed here.
+        self.recompute_candidates = "cand_ids" not in self.data.shapes
         spec = cfg.target or ModelSpec(c.target_id, c.target_revision)
         embed, head = target_heads(spec, device, dtype)
         want = (c.vocab_size, c.target_hidden_size)
@@ -196,12 +207,19 @@ class WeaverTask:
         self.train_index = self.data.train_index
         self.flops_per_item = flops_per_row(self.wcfg)
 
+    def rows(self, index: np.ndarray) -> dict:
+        b = to_batch(self.data.rows(index), self.device, self.dtype)
+        if self.recompute_candidates:
+            b["cand_ids"], b["cand_logits"] = candidates_from_hidden(b["dflash_hidden"], self.objective.frozen[1],
+                                                                     self.wcfg.candidate_pool)
+        return b
+
     def batch(self, positions: np.ndarray, step: int = 0, micro: int = 0, rank: int = 0) -> dict:
-        return to_batch(self.data.rows(self.train_index[positions]), self.device, self.dtype)
+        return self.rows(self.train_index[positions])
 
     def evaluate(self, objective: WeaverObjective) -> dict:
         from pipelines.train.evaluate import weaver_acceptance
-        b = to_batch(self.data.rows(self.eval_index), self.device, self.dtype)
+        b = self.rows(self.eval_index)
         out = heldout_metrics(objective, b)
         out.update(weaver_acceptance(objective, b, sorted(self.cfg.eval_budgets)))
         out["score"] = out[f"accept_weaver_{max(self.cfg.eval_budgets)}"]

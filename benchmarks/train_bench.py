@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
     times.sort()
     step_s = times[len(times) // 2]
     flops = flops_per_row(wcfg) * args.global_batch / step_s / 1e12                     # all ranks together
-    peak = matmul_peak_tflops(device)
+    peak = matmul_peak_tflops(device, dtype)                                         # bf16 on GPU, fp32 on CPU
     result = {"preset": args.preset, "weaver_params": sum(q.numel() for q in obj.weaver.parameters()),
               "world_size": world, "global_batch": args.global_batch, "micro_batch_per_rank": micro,
               "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32",

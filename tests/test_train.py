@@ -275,8 +275,8 @@ def test_candidates_recomputed_from_dflash_hidden_match_the_stored_ones(data):
     sd = ShardData([str(data / "anchors")], mode="anchors", heldout_fraction=0.15, cache_dir=str(data / "hf"))
     rows = sd.rows(np.arange(64))
     _, head = target_heads(_spec(sd.contract), torch.device("cpu"), torch.float32)
-    ids, vals = candidates_from_hidden(torch.from_numpy(rows["dflash_hidden"]), head, 64)
-    stored_ids, stored_vals = torch.from_numpy(rows["cand_ids"]).long(), torch.from_numpy(rows["cand_logits"])
+    ids, vals = candidates_from_hidden(torch.tensor(rows["dflash_hidden"]), head, 64)
+    stored_ids, stored_vals = torch.tensor(rows["cand_ids"]).long(), torch.tensor(rows["cand_logits"])
     # The stored logits came from the unrounded hidden state: equal within bf16 rounding; the id sets agree
     # except where neighbouring logits are that close.
     torch.testing.assert_close(vals, stored_vals, rtol=2 ** -7, atol=2e-2)

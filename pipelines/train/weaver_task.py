@@ -142,10 +142,10 @@ def candidates_from_hidden(dflash_hidden: torch.Tensor, lm_head: torch.Tensor, K
     return torch.cat(ids), torch.cat(vals)
 
 
-def heldout_metrics(objective: WeaverObjective, b: dict) -> dict[str, float]:
-    """Loss, per-depth candidate hit rate and top-1 agreement (Weaver and DFlash) with the target's argmax."""
+def heldout_metrics(objective: WeaverObjective, b: dict, logq: torch.Tensor) -> dict[str, float]:
+    """Loss, per-depth candidate hit rate and top-1 agreement (Weaver and DFlash) with the target's argmax.
+    logq [B, L, K] = objective.logq(b)."""
     with torch.no_grad():
-        logq = objective.logq(b)
         loss, _ = weaver_loss(logq, b["cand_ids"], b["true_tokens"], b["loss_mask"], b["target_topk_ids"],
                               b["target_topk_logprobs"], kind=objective.kind, weights=objective.frozen[2])
     mask = b["loss_mask"]
@@ -220,8 +220,10 @@ class WeaverTask:
     def evaluate(self, objective: WeaverObjective) -> dict:
         from pipelines.train.evaluate import weaver_acceptance
         b = self.rows(self.eval_index)
-        out = heldout_metrics(objective, b)
-        out.update(weaver_acceptance(objective, b, sorted(self.cfg.eval_budgets)))
+        with torch.no_grad():
+            logq = objective.logq(b)                                                      # [B, L, K]
+        out = heldout_metrics(objective, b, logq)
+        out.update(weaver_acceptance(objective, b, logq, sorted(self.cfg.eval_budgets)))
         out["score"] = out[f"accept_weaver_{max(self.cfg.eval_budgets)}"]
         out["rows"] = len(self.eval_index)
         return out

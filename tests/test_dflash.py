@@ -116,11 +116,17 @@ def test_default_tap_layers_when_config_omits_them():
     assert DFlashConfig.from_hf_dict(cfg).target_layer_ids == [1, 9, 17, 25, 33]
 
 
-def test_sliding_window_layers_restrict_context(tmp_path):
-    cfg = zlab_config(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
-    m = DFlashDrafter.from_pretrained(str(write_zlab_dir(tmp_path / "s", cfg=cfg)), dtype=torch.float64)
-    g = torch.Generator().manual_seed(5)
+def _sliding_drafter(path, window: int, seed: int):
+    """A float64 drafter whose first layer uses a sliding window, random embedding and LM head, and the generator."""
+    cfg = zlab_config(layer_types=["sliding_attention", "full_attention"], sliding_window=window)
+    m = DFlashDrafter.from_pretrained(str(write_zlab_dir(path, cfg=cfg)), dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
     embed, head = torch.randn(V, H, generator=g).double(), torch.randn(V, H, generator=g).double()
+    return m, embed, head, g
+
+
+def test_sliding_window_layers_restrict_context(tmp_path):
+    m, embed, head, g = _sliding_drafter(tmp_path / "s", window=4, seed=5)
     taps = torch.randn(1, 10, 2 * H, generator=g).double()
     a = run(m, taps, torch.tensor([1]), embed, head)[0]
     assert torch.isfinite(a).all()
@@ -129,10 +135,7 @@ def test_sliding_window_layers_restrict_context(tmp_path):
 
 
 def test_forward_blocks_equals_incremental_draft(tmp_path):
-    cfg = zlab_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
-    m = DFlashDrafter.from_pretrained(str(write_zlab_dir(tmp_path / "b", cfg=cfg)), dtype=torch.float64)
-    g = torch.Generator().manual_seed(6)
-    embed, head = torch.randn(V, H, generator=g).double(), torch.randn(V, H, generator=g).double()
+    m, embed, head, g = _sliding_drafter(tmp_path / "b", window=6, seed=6)
     taps = torch.randn(1, 20, 2 * H, generator=g).double()
     seq = torch.randint(0, 190, (20,), generator=g)
     anchors = torch.tensor([1, 4, 11, 19])

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pipelines.collect.config import ModelSpec
 from pipelines.collect.models import load_target
 from tfm_runtime.io import atomic_write_json
+from tfm_runtime.models import TargetModel
 from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
 from tfm_runtime.models.target import default_tap_layers
 
@@ -71,16 +72,20 @@ class DFlashObjective(nn.Module):
         labels = seq[pos.clamp(max=T - 1)]
         return logits, labels, valid, argmax
 
+    def weighted_ce(self, logits, labels, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (sum of w_k * CE over valid positions, sum of their weights)."""
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+        w = self.weights[None] * valid
+        return (ce * w).sum(), w.sum()
+
     def forward(self, batch: dict):
         num = torch.zeros((), device=self.weights.device)
         den = torch.zeros((), device=self.weights.device)
         for seq, anchors in zip(batch["seqs"], batch["anchors"]):
             if anchors.numel() == 0:
                 continue
-            logits, labels, valid, _ = self.blocks(seq, anchors)
-            ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-            w = self.weights[None] * valid
-            num, den = num + (ce * w).sum(), den + w.sum()
+            n, d = self.weighted_ce(*self.blocks(seq, anchors)[:3])
+            num, den = num + n, den + d
         return num / den.clamp_min(1e-9), den
 
 
@@ -101,10 +106,9 @@ class DFlashTask:
         self.data, self.eval_index = open_run_data(cfg, "text_only")
         c = self.contract = self.data.contract
         spec = cfg.target or ModelSpec(c.target_id, c.target_revision)
-        probe = load_target(spec, [], torch.device("cpu"), torch.float32)
-        dcfg = drafter_config(cfg, probe, c.mask_token_id)
-        del probe
-        self.target = load_target(spec, dcfg.target_layer_ids, device, dtype)
+        plain = load_target(spec, [], device, dtype)                      # loaded once; taps known after
+        dcfg = drafter_config(cfg, plain, c.mask_token_id)
+        self.target = TargetModel(plain.model, dcfg.target_layer_ids)
         for p in self.target.model.parameters():
             p.requires_grad_(False)
         torch.manual_seed(cfg.seed)
@@ -131,13 +135,15 @@ class DFlashTask:
         """Held-out: weighted CE, per-position top-1 accuracy, and the simulated greedy chain acceptance length
         (1 + leading drafted tokens equal to the target's argmax, the continuation being the target's argmax)."""
         b = self._batch(self.eval_index, lambda j, sid: self.cfg.seed * 1_000_003 + sid)
-        loss, _ = objective(b)
         S = objective.drafter.cfg.block_size
         hits, counts, accept = torch.zeros(S - 1), torch.zeros(S - 1), []
+        num, den = 0.0, 0.0
         for seq, anchors in zip(b["seqs"], b["anchors"]):
             if anchors.numel() == 0:
                 continue
             logits, labels, valid, argmax = objective.blocks(seq, anchors)
+            n, d = objective.weighted_ce(logits, labels, valid)
+            num, den = num + float(n), den + float(d)
             pos = anchors[:, None] + torch.arange(1, S, device=seq.device)
             truth = valid & (labels == argmax[(pos - 1).clamp(max=seq.shape[0] - 1)])     # greedy-acceptable
             hit = (logits.argmax(-1) == labels) & valid
@@ -145,7 +151,7 @@ class DFlashTask:
             counts += valid.sum(0).cpu().float()
             accept += (1 + (hit & truth).long().cumprod(-1).sum(-1)).tolist()
         acc = (hits / counts.clamp_min(1)).tolist()
-        return {"loss": float(loss), "accept_chain": sum(accept) / max(1, len(accept)),
+        return {"loss": num / max(den, 1e-9), "accept_chain": sum(accept) / max(1, len(accept)),
                 "top1_by_position": [round(x, 4) for x in acc], "blocks": len(accept),
                 "score": sum(accept) / max(1, len(accept))}
 

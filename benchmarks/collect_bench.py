@@ -66,6 +66,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--samples-per-shard", type=int, default=32)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--no-ray", action="store_true",
+                    help="run the collect stages in this process (pipelines.collect --no-ray), e.g. where Ray is absent")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="collect-bench-")
@@ -84,7 +86,7 @@ def main(argv=None) -> None:
                         samples_per_shard=args.samples_per_shard, rollout_batch_size=args.batch_size,
                         device=args.device, max_prompt_tokens=512, store_candidates=not args.no_candidates,
                         gpus_per_actor=1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0)
-    s = run(cfg, progress=False)
+    s = run(cfg, progress=False, use_ray=not args.no_ray)
     specforge = s["sequence_tokens"] * taps * H * 2
     result = {"world": args.world, "settings": vars(args), "summary": s,
               "bytes_per_anchor": s["bytes_per_row"], "bytes_per_response_token": s["bytes_per_response_token"],

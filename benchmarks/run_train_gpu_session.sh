@@ -7,22 +7,24 @@
 # Weaver at the Qwen3.6-27B preset (56.7M parameters, hidden 5120, vocab 248320, 15 depths x 512 candidates)
 # under DeepSpeed ZeRO-2 bf16, synthetic rows; global batches 64/128/256 on one GPU, then (GPUS=2) the same
 # global batch on two GPUs through the deepspeed launcher, whose loss trace must match the 1-GPU run's.
-# DeepSpeed must be importable: carry its wheel in .whl/ when the image lacks it.
-set -u
+# Wheels the image lacks (DeepSpeed and its needs) travel in .whl/; benchmarks/gpu_wheels.py installs them.
+set -u -o pipefail
 OUT=${OUT:-out}
 GPUS=${GPUS:-1}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" NCCL_NVLS_ENABLE=0
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+mkdir -p "$OUT" /tmp/logs
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" NCCL_NVLS_ENABLE=0
+python3 benchmarks/gpu_wheels.py /root/site >"$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_candidate_logits_grad.py \
+  tests/test_kernels_candidate_logits.py >"$OUT/tests.log" 2>&1; tail -2 "$OUT/tests.log"
 for gb in 64 128 256; do
   timeout 150 python3 -m benchmarks.train_bench --preset qwen36_27b --global-batch $gb --steps 20 --warmup 5 \
-    --out "$OUT/train_1gpu_gb$gb.json" 2>"$OUT/train_1gpu_gb$gb.err" | tail -1
+    --out "$OUT/train_1gpu_gb$gb.json" 2>/tmp/logs/gb$gb.err | tail -1 || tail -5 /tmp/logs/gb$gb.err
 done
+# the same step with the candidate rows materialised (weight[cand] + bmm), for the before/after
+timeout 150 python3 -m benchmarks.train_bench --preset qwen36_27b --global-batch 128 --steps 20 --warmup 5 \
+  --torch-scores --out "$OUT/train_1gpu_gb128_torch.json" 2>/tmp/logs/torch.err | tail -1 || tail -5 /tmp/logs/torch.err
 if [ "$GPUS" -ge 2 ]; then
   timeout 200 deepspeed --num_gpus 2 --master_port 29600 --module benchmarks.train_bench --preset qwen36_27b \
-    --global-batch 128 --steps 20 --warmup 5 --out "$OUT/train_2gpu_gb128.json" 2>"$OUT/train_2gpu.err" | tail -1
+    --global-batch 128 --steps 20 --warmup 5 --out "$OUT/train_2gpu_gb128.json" 2>/tmp/logs/2gpu.err | tail -1 || tail -5 /tmp/logs/2gpu.err
 fi

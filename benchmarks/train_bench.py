@@ -55,6 +55,32 @@ def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, iters: int =
     return 2 * n ** 3 * iters / (time.perf_counter() - t) / 1e12
 
 
+def score_time_ms(rows: int, p: dict, lm_head: torch.Tensor, torch_scores: bool, iters: int = 10) -> dict:
+    """Forward + backward of the candidate scoring alone (rows x L queries over K LM-head rows), against its
+    memory floor: both passes read rows*L*K*d LM-head elements once (bf16, 4.8 TB/s)."""
+    from kernels.candidate_logits import candidate_log_probs
+    M, K, d, dev = rows * p["L"], p["K"], p["d_model"], lm_head.device
+    q = torch.randn(M, d, device=dev, dtype=lm_head.dtype, requires_grad=True)
+    cand = torch.randint(0, p["vocab"], (M, K), device=dev)
+    bias = torch.randn(M, K, device=dev)
+
+    def once():
+        if torch_scores:
+            lp = torch.log_softmax(bias + (lm_head[cand] @ q.unsqueeze(-1)).squeeze(-1).float(), -1)
+        else:
+            lp = candidate_log_probs(q, lm_head, cand, bias=bias)
+        lp.sum().backward()
+    for _ in range(2):
+        once()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        once()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) / iters * 1e3
+    return {"ms": ms, "floor_ms": 2 * M * K * d * lm_head.element_size() / 4.8e12 * 1e3}
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -68,6 +94,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--zero-stage", type=int, default=2)
     ap.add_argument("--loss", choices=["kl", "ce"], default="kl")
+    ap.add_argument("--torch-scores", action="store_true",
+                    help="score candidates through weight[cand] + bmm instead of the Triton gather kernels")
     ap.add_argument("--out", help="write the JSON result here (rank 0)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -78,7 +106,7 @@ def main(argv=None) -> dict:
     from benchmarks._timing import env_info
     from pipelines.train.loop import init_distributed
     from pipelines.train.weaver_task import WeaverObjective, depth_weights, flops_per_row, initial_weaver
-    from tfm_runtime.models.weaver import WeaverConfig
+    from tfm_runtime.models.weaver import Weaver, WeaverConfig
 
     cuda = torch.cuda.is_available()
     rank, world, local = init_distributed("cuda" if cuda else "cpu")
@@ -86,6 +114,8 @@ def main(argv=None) -> dict:
     if cuda:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if cuda else torch.float32
+    Weaver.use_candidate_kernels = not args.torch_scores
+    scores = "torch weight[cand] + bmm" if args.torch_scores or not cuda else "triton gather kernels"
     p = PRESETS[args.preset]
     if p["weaver"] is None:
         wcfg = WeaverConfig.qwen36_27b()
@@ -96,9 +126,9 @@ def main(argv=None) -> dict:
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by the world size {world}")
     micro = args.global_batch // world
-    g = torch.Generator(device="cpu").manual_seed(0)
-    embed = torch.randn(p["vocab"], p["d_model"], generator=g).to(device, dtype) * 0.02
-    lm_head = torch.randn(p["vocab"], p["d_model"], generator=g).to(device, dtype) * 0.02
+    g = torch.Generator(device=device).manual_seed(0)                 # on the device: 1.3G values at the preset
+    embed = torch.randn(p["vocab"], p["d_model"], generator=g, device=device).to(dtype) * 0.02
+    lm_head = torch.randn(p["vocab"], p["d_model"], generator=g, device=device).to(dtype) * 0.02
     obj = WeaverObjective(initial_weaver(wcfg, 0), embed, lm_head, kind=args.loss, weights=depth_weights(p["L"], None))
     opt = torch.optim.AdamW(obj.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
     ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
@@ -131,17 +161,23 @@ def main(argv=None) -> dict:
     step_s = times[len(times) // 2]
     flops = flops_per_row(wcfg) * args.global_batch / step_s / 1e12                     # all ranks together
     peak = matmul_peak_tflops(device, dtype)                                         # bf16 on GPU, fp32 on CPU
+    peak_mem = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
+    # where the step goes: the candidate scoring alone, on this rank's rows (GPU only)
+    score = score_time_ms(micro, p, lm_head, args.torch_scores) if cuda else None
     result = {"preset": args.preset, "weaver_params": sum(q.numel() for q in obj.weaver.parameters()),
               "world_size": world, "global_batch": args.global_batch, "micro_batch_per_rank": micro,
-              "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32",
+              "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32", "candidate_scores": scores,
               "median_step_s": step_s, "samples_per_s": args.global_batch / step_s,
               "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),
-              "flops_per_sample": flops_per_row(wcfg), "loss_trace": losses,
-              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None, "env": env_info()}
+              "flops_per_sample": flops_per_row(wcfg), "candidate_scoring_fwd_bwd": score,
+              "candidate_scoring_share_of_step": score["ms"] / (step_s * 1e3) if score else None, "loss_trace": losses,
+              "peak_memory_gib": peak_mem, "env": env_info()}
     if rank == 0:
-        print(f"{'preset':<12}{'gpus':>5}{'batch':>7}{'step ms':>9}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
+        share = f"{result['candidate_scoring_share_of_step']:.0%}" if score else "-"
+        print(f"{'preset':<12}{'gpus':>5}{'batch':>7}{'step ms':>9}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>7}"
+              f"{'scoring':>8}")
         print(f"{args.preset:<12}{world:>5}{args.global_batch:>7}{step_s * 1e3:>9.2f}{result['samples_per_s']:>11.1f}"
-              f"{flops:>9.1f}{result['mfu']:>7.1%}")
+              f"{flops:>9.1f}{result['mfu']:>7.1%}{share:>8}")
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:

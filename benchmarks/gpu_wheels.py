@@ -1,0 +1,56 @@
+"""Install the carried wheels (.whl/) that the GPU image lacks, or has too old, into one folder.
+
+    python3 benchmarks/gpu_wheels.py /root/site && export PYTHONPATH=/root/site:$PYTHONPATH
+
+The device machine reaches no package registry (see the device tool's README): wheels travel with the working
+tree, downloaded here with `pip download --no-deps --python-version 3.12 ...`. A wheel is installed only when
+its distribution is missing or older than MIN_VERSION asks, so the image's own builds (torch, triton, numpy)
+are never shadowed. Prints what it installed; exits 1 when a required import still fails.
+"""
+import glob
+import importlib
+import importlib.metadata as md
+import os
+import subprocess
+import sys
+
+from packaging.version import Version
+
+# distributions whose version matters to what we run (datasets 5.2 needs these)
+MIN_VERSION = {"pyarrow": "24.0.0", "huggingface_hub": "1.31.0"}
+CHECK_IMPORTS = ["datasets", "pyarrow.parquet", "deepspeed", "gguf"]
+
+
+def needed(dist: str, version: str) -> bool:
+    try:
+        have = md.version(dist)
+    except md.PackageNotFoundError:
+        return True
+    floor = MIN_VERSION.get(dist.replace("-", "_").lower())
+    return floor is not None and Version(have) < Version(floor)
+
+
+def main(site: str) -> int:
+    wheels = sorted(glob.glob(".whl/*.whl"))
+    todo = []
+    for w in wheels:
+        dist, version = os.path.basename(w).split("-")[:2]
+        if needed(dist, version):
+            todo.append(w)
+    if todo:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", site, *todo], check=True)
+    print("installed:", " ".join(os.path.basename(w).split("-")[0] for w in todo) or "nothing")
+    sys.path.insert(0, site)
+    bad = 0
+    for mod in CHECK_IMPORTS:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # noqa: BLE001  (report every failure, then exit 1)
+            print(f"import {mod} failed: {type(e).__name__}: {e}")
+            bad = 1
+    return bad
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "/root/site"))

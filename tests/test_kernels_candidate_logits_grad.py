@@ -1,0 +1,114 @@
+"""Differentiable candidate log-probs (Triton forward + row-gather backward) against float64 autograd."""
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.candidate_logits import candidate_log_probs, candidate_logits_ref  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
+
+
+def inputs(M, Kc, Dm, V, dtype, pad_frac=0.0, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(M, Dm, generator=gen).to(device=device, dtype=dtype)
+    weight = (torch.randn(V, Dm, generator=gen) / math.sqrt(Dm)).to(device=device, dtype=dtype)
+    cand = torch.randint(0, V, (M, Kc), generator=gen)
+    cand[torch.rand(M, Kc, generator=gen) < pad_frac] = -1
+    bias = (2 * torch.randn(M, Kc, generator=gen)).to(device)
+    w = torch.randn(M, Kc, generator=gen).to(device)             # loss weights: loss = sum(w * logprobs)
+    return hidden, weight, cand.to(device=device, dtype=torch.int32), bias, w
+
+
+def grads(fn, hidden, weight, cand, bias, w, dtype, inv_t):
+    """(logprobs, d hidden, d bias) of loss = sum over valid entries of w * logprobs, in `dtype`."""
+    h = hidden.detach().to(dtype).requires_grad_()
+    b = bias.detach().to(dtype).requires_grad_()
+    lp = fn(h, weight.detach().to(dtype), cand, b, inv_t)
+    valid = torch.isfinite(lp)
+    (w.to(lp.dtype) * lp.masked_fill(~valid, 0.0)).sum().backward()
+    return lp.detach(), h.grad, b.grad
+
+
+def ours(h, weight, cand, b, inv_t):
+    return candidate_log_probs(h, weight, cand, bias=b, inv_temperature=inv_t)
+
+
+def ref(h, weight, cand, b, inv_t):
+    return candidate_logits_ref(h, weight, cand, inv_t, b)[1]
+
+
+@cpu_only
+@pytest.mark.parametrize(("M", "Kc", "Dm", "V", "dtype", "inv_t", "pad"), [
+    (1, 1, 16, 20, torch.float32, None, 0.0),
+    (3, 7, 100, 50, torch.float32, 0.7, 0.2),       # Dm not a multiple of the block, Kc odd, pads
+    (2, 40, 48, 30, torch.float16, None, 0.1),      # Kc over one BLOCK_C, many duplicates (V < Kc)
+    (4, 33, 300, 97, torch.float32, 1.3, 0.0),      # Dm over one BLOCK_D
+])
+def test_grads_match_float64(M, Kc, Dm, V, dtype, inv_t, pad):
+    hidden, weight, cand, bias, w = inputs(M, Kc, Dm, V, dtype, pad)
+    lp, dh, db = grads(ours, hidden, weight, cand, bias, w, dtype, inv_t)
+    lp_r, dh_r, db_r = grads(ref, hidden, weight, cand, bias, w, torch.float64, inv_t)
+    assert torch.equal(torch.isfinite(lp), torch.isfinite(lp_r))
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    fin = torch.isfinite(lp_r)
+    assert (lp.double()[fin] - lp_r[fin]).abs().max() < tol
+    assert dh.dtype == dtype and db.dtype == dtype
+    assert (dh.double() - dh_r).abs().max() <= tol * max(1.0, dh_r.abs().max().item())
+    assert (db.double() - db_r).abs().max() <= tol
+    assert torch.all(db[~fin] == 0), "pads get no gradient"
+
+
+@cpu_only
+def test_all_pad_row_and_frozen_weight():
+    hidden, weight, cand, bias, w = inputs(2, 5, 32, 40, torch.float32)
+    cand[1] = -1
+    lp, dh, db = grads(ours, hidden, weight, cand, bias, w, torch.float32, None)
+    assert torch.isinf(lp[1]).all() and torch.all(dh[1] == 0) and torch.all(db[1] == 0)
+    assert torch.isfinite(dh).all()
+    with pytest.raises(ValueError, match="frozen"):
+        candidate_log_probs(hidden, weight.clone().requires_grad_(), cand)
+    with pytest.raises(ValueError, match="float inv_temperature"):
+        candidate_log_probs(hidden, weight, cand, inv_temperature=torch.ones(2))
+
+
+@gpu_only
+def test_gpu_bf16_training_shape():
+    """The Qwen3.6-27B training shape: 15 depths x 512 candidates per row, hidden 5120."""
+    hidden, weight, cand, bias, w = inputs(4 * 15, 512, 5120, 32000, torch.bfloat16, 0.01, "cuda")
+    lp, dh, db = grads(ours, hidden, weight, cand, bias, w, torch.bfloat16, None)
+    lp_r, dh_r, db_r = grads(ref, hidden, weight, cand, bias, w, torch.float64, None)
+    fin = torch.isfinite(lp_r)
+    assert (lp.double()[fin] - lp_r[fin]).abs().max() < 2e-2
+    rel = (dh.double() - dh_r).norm() / dh_r.norm()
+    assert rel < 1e-2, rel
+    assert (db.double() - db_r).abs().max() < 2e-2
+
+
+@gpu_only
+def test_weaver_score_cuda_matches_torch_path():
+    """Weaver.score on CUDA (kernels) against the same function through weight[cand] + bmm in float64."""
+    from tfm_runtime.models.weaver import Weaver, WeaverConfig
+    cfg = WeaverConfig(d_model=256, d_embed=256, d_rank=64, num_layers=1, num_heads=2, mlp_dim=128, lookahead=3,
+                       candidate_pool=32)
+    torch.manual_seed(0)
+    wv = Weaver(cfg).cuda()
+    lm = torch.randn(1000, 256, device="cuda") / 16
+    h = torch.randn(5, 3, 64, device="cuda", requires_grad=True)
+    cand = torch.randint(0, 1000, (5, 3, 32), device="cuda")
+    cl = torch.randn(5, 3, 32, device="cuda")
+    lq = wv.score(h, cand, cl, lm)
+    (lq * torch.arange(32, device="cuda")).sum().backward()
+    g = h.grad.clone()
+    h.grad = None
+    wv64 = wv.double()
+    lq64 = wv64.score(h.double(), cand, cl.double(), lm.double())                      # float64: the torch path
+    (lq64 * torch.arange(32, device="cuda")).sum().backward()
+    assert (lq.double() - lq64).abs().max() < 1e-4
+    assert (g.double() - h.grad).abs().max() < 1e-4 * max(1.0, h.grad.abs().max().item())

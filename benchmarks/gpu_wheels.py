@@ -8,7 +8,6 @@ its distribution is missing or older than MIN_VERSION asks, so the image's own b
 are never shadowed. Prints what it installed; exits 1 when a required import still fails.
 """
 import glob
-import importlib
 import importlib.metadata as md
 import os
 import subprocess
@@ -41,16 +40,15 @@ def main(site: str) -> int:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", site, *todo], check=True)
     print("installed:", " ".join(os.path.basename(w).split("-")[0] for w in todo) or "nothing")
-    sys.path.insert(0, site)
+    # a fresh interpreter: this one cached the folder as missing when PYTHONPATH named it before it existed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])}
     bad = 0
     for mod in CHECK_IMPORTS:
-        try:
-            importlib.import_module(mod)
-        except Exception as e:  # noqa: BLE001  (report every failure, then exit 1)
-            print(f"import {mod} failed: {type(e).__name__}: {e}")
+        r = subprocess.run([sys.executable, "-c", f"import {mod}"], env=env, capture_output=True, text=True)
+        if r.returncode:
+            print(f"import {mod} failed: {r.stderr.strip().splitlines()[-1:]}")
             bad = 1
     return bad
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "/root/site"))

@@ -4,6 +4,7 @@
 # $OUT (default ./out); a short table is printed last. Budget: about 7 minutes on an H200.
 #
 #   OUT=out TFM_GIT_REV=$(git rev-parse HEAD) bash benchmarks/run_kernel_gpu_session.sh
+#   KERNELS="gdn_tree" ...     # only these kernels' tests (and phase 3 only with tree_attention)
 #
 # Phase 1 runs the tests in parallel with a compile/autotune warm-up of the GDN benchmark (same
 # kernels and shapes, no timing), so that the timed phases hit the Triton caches (fla autotune
@@ -14,22 +15,21 @@ L=/tmp/kernel_logs  # per-process logs; $OUT gets at most 6 files
 mkdir -p "$OUT" $L
 T0=$(date +%s)
 left() { echo $((T0 + $1 - $(date +%s))); }
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}"
+python3 benchmarks/gpu_wheels.py /root/site >$L/wheels.log 2>&1 || cat $L/wheels.log   # fla for the baseline
+KERNELS=${KERNELS:-gdn_tree tree_attention candidate_logits}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
 
 # phase 1: tests (GPU) + warm-up, in parallel
 timeout 200 python3 benchmarks/bench_gdn_tree.py --warm >$L/warm.log 2>&1 &
-for t in gdn_tree tree_attention candidate_logits; do
+for t in $KERNELS; do
   n=2; [ $t = gdn_tree ] && n=6
   (timeout 200 python3 -m pytest -q -p no:cacheprovider -n $n "tests/test_kernels_$t.py" \
      >$L/test_$t.log 2>&1; echo "exit=$?" >>$L/test_$t.log) &
 done
 wait
-for t in gdn_tree tree_attention candidate_logits; do
+for t in $KERNELS; do
   echo "===== tests/test_kernels_$t.py"; cat $L/test_$t.log
 done >"$OUT/tests.log"
 { echo "===== warm-up (tail)"; tail -20 $L/warm.log; } >>"$OUT/session.txt"
@@ -42,15 +42,17 @@ timeout $((B + 35)) python3 benchmarks/bench_gdn_tree.py --out "$OUT/gdn_tree_h2
 rc=$?; echo "phase 2 (budget ${B}s) done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt"
 
 # phase 3: tree attention, default configurations on all cases
+case " $KERNELS " in *" tree_attention "*)
 timeout $(left 455) python3 benchmarks/bench_tree_attention.py --no-sweep \
   --out "$OUT/tree_attention_h200.json" >"$OUT/bench_ta.log" 2>&1
-rc=$?; echo "phase 3 done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt"
+rc=$?; echo "phase 3 done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt";;
+esac
 
-for t in gdn_tree tree_attention candidate_logits; do
+for t in $KERNELS; do
   echo "== test_kernels_$t: $(grep -E 'passed|failed|error' $L/test_$t.log | tail -1) $(tail -1 $L/test_$t.log)"
 done
 grep -hE "^(FAILED|ERROR)" $L/test_*.log | head -20
 tail -3 $L/warm.log
 sed -n '/^correctness:/,$p' "$OUT/bench_gdn.log"
-sed -n '/^ *L  *n  *triton/,$p' "$OUT/bench_ta.log"
+[ -f "$OUT/bench_ta.log" ] && sed -n '/^ *L  *n  *triton/,$p' "$OUT/bench_ta.log"
 grep phase "$OUT/session.txt"

@@ -96,6 +96,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--loss", choices=["kl", "ce"], default="kl")
     ap.add_argument("--torch-scores", action="store_true",
                     help="score candidates through weight[cand] + bmm instead of the Triton gather kernels")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of 3 profiled steps (rank 0)")
     ap.add_argument("--out", help="write the JSON result here (rank 0)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -157,6 +158,16 @@ def main(argv=None) -> dict:
         losses.append(float(total) / world)
         if step >= args.warmup:
             times.append(dt)
+    if args.profile and cuda and rank == 0:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for step in range(3):
+                batch = {n: t[rank * micro:(rank + 1) * micro] for n, t in pool[step % len(pool)].items()}
+                loss, _ = engine(batch)
+                engine.backward(loss)
+                engine.step()
+            _sync(device)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
     times.sort()
     step_s = times[len(times) // 2]
     flops = flops_per_row(wcfg) * args.global_batch / step_s / 1e12                     # all ranks together

@@ -10,7 +10,7 @@ import torch
 from pipelines.collect.__main__ import main as collect_main
 from pipelines.collect.__main__ import run
 from pipelines.collect.config import CollectConfig
-from pipelines.collect.features import featurize, sample_anchors
+from pipelines.collect.features import concat_rows, featurize, featurize_batch, sample_anchors, token_batches
 from pipelines.collect.inputs import Sample, list_input_files, read_records, tokenize
 from pipelines.collect.models import check_pair, load_models
 from pipelines.collect.shards import anchor_columns, column, decode_bf16, encode_bf16, to_table, validate, write_shard
@@ -142,6 +142,26 @@ def test_featurize_rows_are_aligned_and_round_trip(tmp_path):
     bad["h_final"][1, 2] = np.nan
     with pytest.raises(ValueError, match="non-finite"):
         validate(bad, {7: seq}, target.vocab_size)
+
+
+def test_batched_featurize_equals_one_sequence_at_a_time(tmp_path):
+    """Right-padded batches (several groups, padding after short sequences) give each sequence's own rows."""
+    cfg = config(tmp_path, ["x"])
+    target, drafter = load_models(cfg, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    samples = [Sample(i, torch.randint(0, 250, (p,), generator=gen).tolist(),
+                      torch.randint(0, 250, (r,), generator=gen).tolist())
+               for i, (p, r) in enumerate([(5, 30), (12, 4), (3, 60), (20, 1), (8, 17)])]
+    kw = dict(anchors_per_sequence=4, candidate_pool=16, target_topk=4, seed=0)
+    one = concat_rows([featurize(target, drafter, s, **kw) for s in samples])
+    batched = featurize_batch(target, drafter, samples, max_tokens=80, topk_chunk=3, **kw)
+    assert token_batches([35, 16, 63, 21, 25], 80) == [[0, 1], [2], [3, 4]]
+    assert set(one) == set(batched) and len(one["sample_id"]) == 4 + 3 + 4 + 0 + 4
+    for name in one:
+        if one[name].dtype.kind == "f":
+            np.testing.assert_allclose(batched[name], one[name], rtol=1e-4, atol=1e-5, err_msg=name)
+        else:
+            np.testing.assert_array_equal(batched[name], one[name], err_msg=name)
 
 
 def test_anchor_sampling_is_deterministic_and_in_range():

@@ -29,7 +29,7 @@ def inputs(M, Kc, Dm, V, dtype, pad_frac=0.0, device="cpu", seed=0):
 def grads(fn, hidden, weight, cand, bias, w, dtype, inv_t):
     """(logprobs, d hidden, d bias) of loss = sum over valid entries of w * logprobs, in `dtype`."""
     h = hidden.detach().to(dtype).requires_grad_()
-    b = bias.detach().to(dtype).requires_grad_()
+    b = bias.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()  # fp32 bias
     lp = fn(h, weight.detach().to(dtype), cand, b, inv_t)
     valid = torch.isfinite(lp)
     (w.to(lp.dtype) * lp.masked_fill(~valid, 0.0)).sum().backward()
@@ -59,7 +59,7 @@ def test_grads_match_float64(M, Kc, Dm, V, dtype, inv_t, pad):
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     fin = torch.isfinite(lp_r)
     assert (lp.double()[fin] - lp_r[fin]).abs().max() < tol
-    assert dh.dtype == dtype and db.dtype == dtype
+    assert dh.dtype == dtype and db.dtype == torch.float32
     assert (dh.double() - dh_r).abs().max() <= tol * max(1.0, dh_r.abs().max().item())
     assert (db.double() - db_r).abs().max() <= tol
     assert torch.all(db[~fin] == 0), "pads get no gradient"
@@ -85,10 +85,10 @@ def test_gpu_bf16_training_shape():
     lp, dh, db = grads(ours, hidden, weight, cand, bias, w, torch.bfloat16, None)
     lp_r, dh_r, db_r = grads(ref, hidden, weight, cand, bias, w, torch.float64, None)
     fin = torch.isfinite(lp_r)
-    assert (lp.double()[fin] - lp_r[fin]).abs().max() < 2e-2
+    assert (lp.double()[fin] - lp_r[fin]).abs().max() < 1e-3           # same bf16 inputs, fp32 accumulation
     rel = (dh.double() - dh_r).norm() / dh_r.norm()
     assert rel < 1e-2, rel
-    assert (db.double() - db_r).abs().max() < 2e-2
+    assert (db.double() - db_r).abs().max() < 1e-3
 
 
 @gpu_only

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.collect.config import CollectConfig
-from pipelines.collect.features import concat_rows, featurize
+from pipelines.collect.features import featurize_batch
 from pipelines.collect.inputs import Sample
 from pipelines.collect.models import load_models, load_tokenizer, resolve_device
 from pipelines.collect.shards import anchor_columns, to_table, validate, write_shard
@@ -72,9 +72,8 @@ class Featurize:
             table = table.replace_schema_metadata({"tfm.contract": json.dumps(self.contract)})
         else:
             c = self.cfg
-            rows = concat_rows([featurize(self.target, self.drafter, s, anchors_per_sequence=c.anchors_per_sequence,
-                                          candidate_pool=c.candidate_pool, target_topk=c.target_topk, seed=c.seed)
-                                for s in samples])
+            rows = featurize_batch(self.target, self.drafter, samples, anchors_per_sequence=c.anchors_per_sequence,
+                                   candidate_pool=c.candidate_pool, target_topk=c.target_topk, seed=c.seed)
             c = self.contract
             cols = anchor_columns(c["lookahead"], c["target_hidden_size"], c["candidate_pool"],
                                   min(self.cfg.target_topk, c["vocab_size"]), self.cfg.store_candidates)

@@ -199,18 +199,22 @@ class DFlashDrafter(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    def forward_blocks(self, taps: torch.Tensor, anchors: torch.Tensor, noise_emb: torch.Tensor) -> torch.Tensor:
-        """Many anchors of one sequence in one pass (collection and training; method.md 2.4).
+    def forward_blocks(self, taps: torch.Tensor, anchors: torch.Tensor, noise_emb: torch.Tensor,
+                       seq_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Many anchors of one or several sequences in one pass (collection and training; method.md 2.4).
 
-        taps [1, T, n_taps*H] tap features of the whole sequence; anchors [A] block start positions; noise_emb
-        [A, S, H] embedded blocks [x_a, MASK...] at positions a..a+S-1. Block a sees context positions < a and its
-        own block (bidirectionally), never another block. Returns normed hidden [A, S, H]; equal to `draft` with
-        a context cache holding taps[:, :a].
+        taps [B, T, n_taps*H] tap features of whole sequences (right-padded); anchors [A] block start positions;
+        noise_emb [A, S, H] embedded blocks [x_a, MASK...] at positions a..a+S-1; seq_index [A] the row of taps
+        each anchor belongs to (may be None when B == 1). Block a sees context positions < a of its own sequence
+        and its own block (bidirectionally), never another block. Returns normed hidden [A, S, H]; equal to
+        `draft` with a context cache holding taps[b, :a].
         """
+        if seq_index is None and taps.shape[0] != 1:
+            raise ValueError(f"forward_blocks: taps holds {taps.shape[0]} sequences; pass seq_index [A]")
         A, S, _ = noise_emb.shape
         T = taps.shape[1]
         dev, dt = noise_emb.device, noise_emb.dtype
-        ctx = self.hidden_norm(self.fc(taps))                                            # [1, T, H]
+        ctx = self.hidden_norm(self.fc(taps))                                            # [B, T, H]
         c_cos, c_sin = rope_cos_sin(torch.arange(T, device=dev), self.cfg.head_dim, self.cfg.rope_theta, dt)
         q_pos = anchors[:, None] + torch.arange(S, device=dev)                           # [A, S]
         cos, sin = rope_cos_sin(q_pos, self.cfg.head_dim, self.cfg.rope_theta, dt)       # [A, S, D]
@@ -224,8 +228,12 @@ class DFlashDrafter(nn.Module):
             h = layer.input_layernorm(x)
             q = apply_rope(att.q_norm(att.q_proj(h).view(A, S, nh, hd)).transpose(1, 2), cos, sin)
             k_blk, v_blk = att.kv(h, cos, sin)                                           # [A, Hkv, S, D]
-            k = torch.cat([k_ctx.expand(A, -1, -1, -1), k_blk], 2).repeat_interleave(nh // nkv, dim=1)
-            v = torch.cat([v_ctx.expand(A, -1, -1, -1), v_blk], 2).repeat_interleave(nh // nkv, dim=1)
+            if seq_index is None:
+                k_ctx, v_ctx = k_ctx.expand(A, -1, -1, -1), v_ctx.expand(A, -1, -1, -1)
+            else:
+                k_ctx, v_ctx = k_ctx[seq_index], v_ctx[seq_index]                       # [A, Hkv, T, D]
+            k = torch.cat([k_ctx, k_blk], 2).repeat_interleave(nh // nkv, dim=1)
+            v = torch.cat([v_ctx, v_blk], 2).repeat_interleave(nh // nkv, dim=1)
             vis = torch.cat([ctx_vis.expand(A, S, T), torch.ones(A, S, S, dtype=torch.bool, device=dev)], -1)
             if att.sliding and self.cfg.sliding_window:
                 all_pos = torch.cat([k_pos.expand(A, T), q_pos], dim=1)                  # [A, T+S]

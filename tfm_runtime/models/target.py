@@ -96,21 +96,27 @@ class TargetModel(nn.Module):
         return DynamicCache(config=self.config)
 
     # ---- forward ---------------------------------------------------------------------------------
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """LM-head logits of final-norm hidden states: h [..., H] -> [..., V]."""
+        return self.model.get_output_embeddings()(h)
+
     def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                attention_mask=None, past_key_values=None, use_cache: bool = False) -> TargetOutput:
+                attention_mask=None, past_key_values=None, use_cache: bool = False,
+                logits: bool = True) -> TargetOutput:
         """input_ids [B, T] -> TargetOutput. `attention_mask` may be a custom 4D additive mask
-        [B, 1, T, kv_len] (tree verification) or a dict {layer_type: mask}."""
+        [B, 1, T, kv_len] (tree verification) or a dict {layer_type: mask}. With `logits=False` the LM head is
+        skipped (TargetOutput.logits is None; apply `head` to the positions needed)."""
         self._captured.clear()
         out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                         past_key_values=past_key_values, use_cache=use_cache)
         h = out.last_hidden_state                                   # [B, T, H] (after final norm)
-        logits = self.model.get_output_embeddings()(h)              # [B, T, V]
+        out_logits = self.head(h) if logits else None               # [B, T, V]
         if self.tap_layer_ids:
             taps = torch.cat([self._captured[i] for i in self.tap_layer_ids], dim=-1)
         else:
             taps = h.new_zeros(*h.shape[:-1], 0)
         self._captured.clear()
-        return TargetOutput(logits=logits, h_final=h, taps=taps, past_key_values=out.past_key_values)
+        return TargetOutput(logits=out_logits, h_final=h, taps=taps, past_key_values=out.past_key_values)
 
 
 def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -25,8 +25,8 @@ mkdir -p $P && touch $P/__init__.py
 cat /root/gguf/part1 .gguf2/part2 >$P/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
 echo "$GGUF_SHA256  $P/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
-common="--world smollm2 --prompts ${PROMPTS:-512} --max-new-tokens 256 --anchors 16 --batch-size 256 \
-  --samples-per-shard 64 --no-ray"
+common="--world smollm2 --prompts ${PROMPTS:-512} --max-new-tokens 256 --anchors 16 --batch-size ${BATCH:-256} \
+  --samples-per-shard ${SHARD:-64} --no-ray"
 timeout 240 python3 -m benchmarks.collect_bench $common --candidate-pool 512 --target-topk 32 \
   --out "$OUT/collect_h200_smollm2_cand.json" 2>/tmp/logs/cand.err | tail -2 || tail -20 /tmp/logs/cand.err
 timeout 200 python3 -m benchmarks.collect_bench $common --no-candidates --target-topk 8 \

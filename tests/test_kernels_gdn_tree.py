@@ -73,8 +73,8 @@ VERIFY_CASES = [
     (1, 33, [33], 2, 4, 16, 16, "random", torch.float16, {"p_chain": 0.9}),
     (1, 40, [40], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 16, "p_chain": 0.8}),
     (1, 70, [70], 1, 2, 16, 16, "spine", torch.float32, {"p_chain": 0.95, "block_t": 64}),
-    # several blocks: every (t, c) prep program, the pipelined solve with one or several
-    # column chunks (N=200 at block_t=32 has 256 padded columns in two chunks of 128)
+    # several blocks, and off-diagonal rows over one or several column chunks (N=200 at
+    # block_t=32 has 256 padded columns: two chunks of 128)
     (1, 70, [70], 1, 2, 16, 16, "chain", torch.float32, {"block_t": 16}),
     (1, 70, [70], 2, 4, 16, 16, "random", torch.float16, {"block_t": 16, "p_chain": 0.7}),
     (2, 200, [200, 77], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "p_chain": 0.9}),

@@ -1,18 +1,16 @@
 """Parallel first stage of the tree GDN verify: the parts of the solve that do not involve V or S0.
 
-`tree_gdn_prep_kernel` runs one program per pair (t, c), c <= t, of BT-node blocks, request and
-value head (grid (NB (NB + 1) / 2, B HV)), all independent, so its time does not grow with the tree:
-    (t, t)  G_t                      path-summed decay of the block's nodes         -> G  [B, N, HV]
-            rk_t, rq_t               inverse norms of k and q (rq times the scale)  -> RN [BH, 2, N]
-            W_t = [[T, 0], [M, I]]   T = (I + A_tt)^{-1}, M = P_tt T                -> W  [BH, NB, 2BT, 2BT]
-    (t, c)  AP_tc = -W_t [A_tc ; -P_tc] = [-T A_tc ; P_tc - M A_tc] (cols c BT..) -> AP [BH, NB, 2BT, NPAD]
+`tree_gdn_prep_kernel` runs one program per BT-node block t of the tree, request and value head,
+and writes, for that block:
+    G_t                          path-summed decay of the block's nodes             -> G  [B, N, HV]
+    rk_t, rq_t                   inverse norms of k and q (rq times the scale)      -> RN [BH, 2, N]
+    AP_t = [A_t,<t ; -P_t,<t]    the off-diagonal rows of A and P (cols < t BT)    -> AP [BH, NB, 2BT, NPAD]
+    W_t  = [[T, 0], [P_tt T, I]] with T = (I + A_tt)^{-1}                          -> W  [BH, NB, 2BT, 2BT]
 where A_ij = beta_i D_ij k_i.k_j for j a strict ancestor of i, P_ij = D_ij q_i.k_j for j on the
 path root..i, D_ij = exp(G_i - G_j), with normalised q (times the scale) and k. The Grams use the
 raw q/k tiles (bf16 feeds the tensor cores as is) and are scaled by the inverse norms afterwards.
-Every (t, c) program recomputes what it needs of block t (its G, norms, T and M) and of block c
-(G, k norms) instead of waiting for another program. With W_t folded into the off-diagonal rows,
-the serial solve (verify.py) has one dot per block that depends on earlier blocks.
-Columns of AP at or past t BT are never written (the solve masks them).
+The two halves of AP and W are stacked along the rows so that the serial solve (verify.py) needs
+one dot per sweep over earlier blocks and one per block.
 """
 import triton
 import triton.language as tl
@@ -139,50 +137,14 @@ def load_rows(x, rows, m_r, i_b, i_h, N, H, K, BK: tl.constexpr):
                    mask=m_r[:, None] & (o_k < K)[None, :], other=0.)
 
 
-@triton.jit
-def row_block(q, k, g, beta, anc, i_t, n, scale, i_b, i_h, i_hv, N, H, HV, K, NW,
-              BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr,
-              DOT_PREC: tl.constexpr):
-    """Everything of the BT-node block i_t (nodes i_t BT + [0, BT)) that its diagonal block fixes.
-
-    Returns G [BT], the raw rows k, q [BT, BK], the inverse norms rk, rq (rq times the scale) and
-    beta [BT], T = (I + A_tt)^{-1} [BT, BT] and M = P_tt T [BT, BT].
-    """
-    o_i = tl.arange(0, BT)
-    rows = i_t * BT + o_i
-    m_r = rows < n
-    b_G = path_decay(g, anc, rows, i_b, i_hv, n, i_t * BT + BT, N, HV, NW, BT)
-    b_k = load_rows(k, rows, m_r, i_b, i_h, N, H, K, BK)
-    b_q = load_rows(q, rows, m_r, i_b, i_h, N, H, K, BK)
-    b_rk = inv_norm(k, rows, m_r, i_b, i_h, N, H, K, BK, USE_L2NORM)
-    b_rq = inv_norm(q, rows, m_r, i_b, i_h, N, H, K, BK, USE_L2NORM) * scale
-    b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.).to(tl.float32)
-    # [BT, BT] decay on the paths, strictly lower A_tt, P_tt (diagonal included)
-    b_on = anc_tile(anc, rows, rows, m_r, i_b, N, NW)
-    b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_G[None, :], float('-inf')))
-    b_a = tl.where(o_i[:, None] > o_i[None, :], (b_beta * b_rk)[:, None] * b_d, 0.) * \
-        gram(b_k, b_k, DOT_PREC) * b_rk[None, :]
-    b_p = b_rq[:, None] * b_d * gram(b_q, b_k, DOT_PREC) * b_rk[None, :]
-    b_x = merge_diag_inverses(diag_block_inverse(b_a, BT), b_a, BT, DOT_PREC)
-    b_m = tl.dot(b_p, b_x, input_precision=DOT_PREC)
-    return b_G, b_k, b_q, b_rk, b_rq, b_beta, b_x, b_m
-
-
 # sizes that vary per call are not specialised on (one compile serves every tree size)
 @triton.jit(do_not_specialize=["N", "H", "HV", "NW", "NB"])
 def tree_gdn_prep_kernel(
     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NW, NB, NPAD,
-    BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, USE_L2NORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    """Grid (NB (NB + 1) / 2, B HV). q, k [B, N, H, K]; g, beta [B, N, HV]; anc [B, N, NW] int32;
-    writes G [B, N, HV], RN [BH, 2, N], W [BH, NB, 2BT, 2BT] and AP [BH, NB, 2BT, NPAD]."""
-    # program i_p is the block pair (t, c), c <= t, in row-major lower-triangular order:
-    # i_p = t (t + 1) / 2 + c (the float root is off by at most one, fixed in integers)
-    i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_t = ((tl.sqrt((8 * i_p + 1).to(tl.float32)) - 1.) * 0.5).to(tl.int32)
-    i_t += ((i_t + 1) * (i_t + 2) // 2 <= i_p).to(tl.int32)
-    i_t -= (i_t * (i_t + 1) // 2 > i_p).to(tl.int32)
-    i_c = i_p - i_t * (i_t + 1) // 2
+    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_s = tl.load(state_idx + i_b)
@@ -191,41 +153,41 @@ def tree_gdn_prep_kernel(
     o_i = tl.arange(0, BT)
     rows = i_t * BT + o_i
     m_r = rows < n
-    p_blk = (i_bh * NB + i_t) * 2 * BT
-    if i_c == i_t:
-        # diagonal program: G (zero past n, written for every block), norms and W_t
-        if i_t * BT < n:
-            b_G, b_k, b_q, b_rk, b_rq, b_beta, b_x, b_m = row_block(
-                q, k, g, beta, anc, i_t, n, scale, i_b, i_h, i_hv, N, H, HV, K, NW,
-                BT, BK, USE_L2NORM, DOT_PREC)
-            tl.store(G + (i_b * N + rows) * HV + i_hv, b_G, mask=rows < N)
-            tl.store(RN + i_bh * 2 * N + rows, b_rk, mask=rows < N)
-            tl.store(RN + (i_bh * 2 + 1) * N + rows, b_rq, mask=rows < N)
-            p_w = W + (p_blk + o_i[:, None]) * 2 * BT + o_i[None, :]
-            tl.store(p_w, b_x)
-            tl.store(p_w + BT, tl.zeros([BT, BT], dtype=tl.float32))
-            tl.store(p_w + 2 * BT * BT, b_m)
-            tl.store(p_w + 2 * BT * BT + BT, tl.where(o_i[:, None] == o_i[None, :], 1., 0.))
-        else:
-            tl.store(G + (i_b * N + rows) * HV + i_hv, tl.zeros([BT], dtype=tl.float32),
-                     mask=rows < N)
-    elif i_t * BT < n:
-        # off-diagonal program: AP_tc = -W_t [A_tc ; -P_tc] = [-T A_tc ; P_tc - M A_tc]; the
-        # diagonal block of t is recomputed here (redundant across c, but no program waits)
-        b_G, b_k, b_q, b_rk, b_rq, b_beta, b_x, b_m = row_block(
-            q, k, g, beta, anc, i_t, n, scale, i_b, i_h, i_hv, N, H, HV, K, NW,
-            BT, BK, USE_L2NORM, DOT_PREC)
-        # [BT] columns: every node of block c lies before block t, so all are real
-        cols = i_c * BT + o_i
-        m_c = cols < n
-        b_kc = load_rows(k, cols, m_c, i_b, i_h, N, H, K, BK)
-        b_rkc = inv_norm(k, cols, m_c, i_b, i_h, N, H, K, BK, USE_L2NORM)
-        b_Gc = path_decay(g, anc, cols, i_b, i_hv, n, i_c * BT + BT, N, HV, NW, BT)
-        # [BT, BT] tiles A_tc and P_tc, masked by the ancestors and decayed
-        b_on = anc_tile(anc, rows, cols, m_r, i_b, N, NW)
-        b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_Gc[None, :], float('-inf')))
-        b_a = (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_kc, DOT_PREC) * b_rkc[None, :]
-        b_p = b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :]
-        p_ap = AP + (p_blk + o_i[:, None]) * NPAD + cols[None, :]
-        tl.store(p_ap, -tl.dot(b_x, b_a, input_precision=DOT_PREC))
-        tl.store(p_ap + BT * NPAD, b_p - tl.dot(b_m, b_a, input_precision=DOT_PREC))
+    b_G = path_decay(g, anc, rows, i_b, i_hv, n, i_t * BT + BT, N, HV, NW, BT)
+    tl.store(G + (i_b * N + rows) * HV + i_hv, b_G, mask=rows < N)
+    if i_t * BT < n:
+        b_k = load_rows(k, rows, m_r, i_b, i_h, N, H, K, BK)
+        b_q = load_rows(q, rows, m_r, i_b, i_h, N, H, K, BK)
+        b_rk = inv_norm(k, rows, m_r, i_b, i_h, N, H, K, BK, USE_L2NORM)
+        b_rq = inv_norm(q, rows, m_r, i_b, i_h, N, H, K, BK, USE_L2NORM) * scale
+        tl.store(RN + i_bh * 2 * N + rows, b_rk, mask=rows < N)
+        tl.store(RN + (i_bh * 2 + 1) * N + rows, b_rq, mask=rows < N)
+        b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.).to(tl.float32)
+        p_blk = (i_bh * NB + i_t) * 2 * BT
+        # off-diagonal rows: all earlier nodes, BC columns at a time (columns >= i_t BT unread)
+        for i_c in range(0, tl.cdiv(i_t * BT, BC)):
+            o_c = i_c * BC + tl.arange(0, BC)
+            m_c = o_c < i_t * BT
+            b_kc = load_rows(k, o_c, m_c, i_b, i_h, N, H, K, BK)
+            b_rkc = inv_norm(k, o_c, m_c, i_b, i_h, N, H, K, BK, USE_L2NORM)
+            b_Gc = path_decay(g, anc, o_c, i_b, i_hv, i_t * BT, i_c * BC + BC, N, HV, NW, BC)
+            b_on = anc_tile(anc, rows, o_c, m_r, i_b, N, NW) & m_c[None, :]
+            b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_Gc[None, :], float('-inf')))
+            b_a = (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_kc, DOT_PREC) * b_rkc[None, :]
+            b_p = b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :]
+            p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_c[None, :]
+            tl.store(p_ap, b_a, mask=m_c[None, :])
+            tl.store(p_ap + BT * NPAD, -b_p, mask=m_c[None, :])
+        # diagonal block
+        b_on = anc_tile(anc, rows, rows, m_r, i_b, N, NW)
+        b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_G[None, :], float('-inf')))
+        b_a = tl.where(o_i[:, None] > o_i[None, :], (b_beta * b_rk)[:, None] * b_d, 0.) * \
+            gram(b_k, b_k, DOT_PREC) * b_rk[None, :]
+        b_p = b_rq[:, None] * b_d * gram(b_q, b_k, DOT_PREC) * b_rk[None, :]
+        b_x = merge_diag_inverses(diag_block_inverse(b_a, BT), b_a, BT, DOT_PREC)
+        b_m = tl.dot(b_p, b_x, input_precision=DOT_PREC)
+        p_w = W + (p_blk + o_i[:, None]) * 2 * BT + o_i[None, :]
+        tl.store(p_w, b_x)
+        tl.store(p_w + BT, tl.zeros([BT, BT], dtype=tl.float32))
+        tl.store(p_w + 2 * BT * BT, b_m)
+        tl.store(p_w + 2 * BT * BT + BT, tl.where(o_i[:, None] == o_i[None, :], 1., 0.))

@@ -1,17 +1,15 @@
 """Tree-masked Gated DeltaNet verify: outputs for every node, the committed state read-only.
 
-Two launches. `tree_gdn_prep_kernel` (prep.py; one program per pair (t, c), c <= t, of BT-node
-blocks, request and value head, all in parallel) writes the path-summed decay G, the inverse q/k
-norms, the block matrices W_t = [[T_t, 0], [P_tt T_t, I]] with T_t = (I + A_tt)^{-1}, and the
-off-diagonal rows with W_t folded in, AP_t = -W_t [A_t,<t ; -P_t,<t], of A (beta_i D_ij k_i.k_j)
-and P (D_ij q_i.k_j).
+Two launches. `tree_gdn_prep_kernel` (prep.py; one program per BT-node block, request and value
+head, all in parallel) writes the path-summed decay G, the inverse q/k norms, the stacked
+off-diagonal rows AP_t = [A_t,<t ; -P_t,<t] of A (beta_i D_ij k_i.k_j) and P (D_ij q_i.k_j), and
+the block matrices W_t = [[T_t, 0], [P_tt T_t, I]] with T_t = (I + A_tt)^{-1}.
 `tree_gdn_solve_kernel` (one program per V-tile, request and value head) is the only serial part,
 block forward substitution over the blocks t with the stacked [2BT, BV] tiles
-    Y0_t         = [beta (V_t - e^G K_t S0) ; e^G Q_t S0]
-    [V'_t ; O_t] = W_t Y0_t + AP_t V'_<t
-W_t Y0_t (one dot of the stacked [k_t ; q_t] rows with S0, then the W dot) does not depend on
-earlier blocks and is computed for block t + 1 while block t's stores drain; the one dot per block
-that does takes all earlier blocks at once ([2BT, NPAD] @ [NPAD, BV]), re-reading V'_<t from the
+    Y_t          = [beta (V_t - e^G K_t S0) ; e^G Q_t S0] - AP_t V'_<t
+    [V'_t ; O_t] = W_t Y_t
+The first term is one dot of the stacked [k_t ; q_t] rows with S0 (off the serial chain); the
+second takes all earlier blocks at once ([2BT, NPAD] @ [NPAD, BV]), re-reading V'_<t from the
 `vnew` stash this program wrote.
 """
 from typing import NamedTuple
@@ -34,65 +32,18 @@ class GDNTreeStash(NamedTuple):
     state_v_first: bool
 
 
-@triton.jit
-def block_start(q, k, v, beta, G, RN, W, i_t, nb, n, b_sh, b_sl, i_b, i_h, i_hv, i_bh, o_k, o_v,
-                N, H, HV, K, V, NB, BT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """[2BT, BV] W_t Y0_t for block i_t, all zero for i_t >= nb: the part that needs no V'.
-
-    Y0_t = [beta (v - e^G rk k S0) ; e^G rq q S0] over the rows [k_t ; q_t] (raw) of the block,
-    with S0 as the `state_split` operands b_sh, b_sl [BK, BV].
-    """
-    # rows of the stacked [2BT, *] tiles: r < BT is node t BT + r of the V' (k) half, r >= BT the
-    # same node of the O (q) half
-    o_r = tl.arange(0, 2 * BT)
-    m_top = o_r < BT
-    rows = i_t * BT + o_r % BT
-    m_r = rows < n
-    m_v = o_v < V
-    # [2BT, BK] rows [k_t ; q_t], [2BT] coefficients of K S0 / Q S0 and of V
-    p_x = tl.where(m_top, k, q) + ((i_b * N + rows) * H + i_h) * K
-    b_x = tl.load(p_x[:, None] + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.)
-    b_eG = tl.exp(tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.))
-    b_rn = tl.load(RN + (i_bh * 2 + (o_r >= BT)) * N + rows, mask=m_r, other=0.)
-    b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r & m_top,
-                     other=0.).to(tl.float32)
-    b_v = tl.load(v + ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
-                  mask=(m_r & m_top)[:, None] & m_v[None, :], other=0.).to(tl.float32)
-    b_c = tl.where(m_top, -b_beta, 1.) * b_eG * b_rn
-    # [2BT, BV]
-    b_y = b_beta[:, None] * b_v + b_c[:, None] * state_dot(b_x, b_sh, b_sl, DOT_PREC)
-    # [2BT, 2BT]; blocks past the tree were not written by the prep
-    p_w = W + ((i_bh * NB + i_t) * 2 * BT + o_r[:, None]) * 2 * BT + o_r[None, :]
-    m_w = (o_r < tl.where(i_t < nb, 2 * BT, 0))[:, None] & (o_r < 2 * BT)[None, :]
-    b_w = tl.load(p_w, mask=m_w, other=0.)
-    return tl.dot(b_w, b_y, input_precision=DOT_PREC)
-
-
-@triton.jit
-def load_ap(AP, i_bh, i_t, nb, o_c, NB, NPAD, BT: tl.constexpr):
-    """[2BT, KC] columns o_c [KC] of AP_t, zero at or past column t BT and for t >= nb."""
-    o_r = tl.arange(0, 2 * BT)
-    m_c = o_c < tl.where(i_t < nb, i_t * BT, 0)
-    return tl.load(AP + ((i_bh * NB + i_t) * 2 * BT + o_r[:, None]) * NPAD + o_c[None, :],
-                   mask=m_c[None, :], other=0.)
-
-
 @triton.jit(do_not_specialize=["N", "H", "HV", "NB"])
 def tree_gdn_solve_kernel(
     q, k, v, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB, NPAD,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Grid (cdiv(V, BV), B HV). q, k [B, N, H, K]; v, o [B, N, HV, V]; beta [B, N, HV]; state
-    [P, HV, K, V] (or [P, HV, V, K]); G [B, N, HV]; RN [BH, 2, N]; AP [BH, NB, 2BT, NPAD];
-    W [BH, NB, 2BT, 2BT]; vnew [B, N, HV, V] fp32 (written, then re-read by later blocks)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_s = tl.load(state_idx + i_b).to(tl.int64)
     # a padded request (state_idx < 0) reads nothing and gets all-zero outputs
     n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
-    nb = tl.cdiv(n, BT)
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     if STATE_V_FIRST:
@@ -103,39 +54,49 @@ def tree_gdn_solve_kernel(
     b_s = tl.load(p_s, mask=tl.where(i_s >= 0, (o_k < K)[:, None] & m_v[None, :], False),
                   other=0.).to(tl.float32)
     b_sh, b_sl = state_split(b_s, q.dtype.element_ty)
+    # rows of the stacked [2BT, *] tiles: r < BT is node t BT + r of the V' (k) half, r >= BT the
+    # same node of the O (q) half
     o_r = tl.arange(0, 2 * BT)
     m_top = o_r < BT
-    # software pipelined by hand: block t + 1's independent part (its loads, the S0 dot and the W
-    # dot) is issued before the barrier that ends block t, so the serial chain per block is: load
-    # V'_<t (with the AP_t tile beside it), one dot, store, barrier
-    # [2BT, BV] W_t Y0_t
-    b_z0 = block_start(q, k, v, beta, G, RN, W, 0, nb, n, b_sh, b_sl, i_b, i_h, i_hv, i_bh, o_k,
-                       o_v, N, H, HV, K, V, NB, BT, DOT_PREC)
-    o_c = tl.arange(0, KC)
-    for i_t in range(0, nb):
-        # [2BT, BV] [V'_t ; O_t] = W_t Y0_t + AP_t V'_<t, all earlier nodes KC at a time (one dot
-        # for trees of up to 129 nodes; columns of later blocks are masked to zero)
-        b_z = b_z0
-        for i_c in range(0, tl.cdiv(i_t * BT, KC)):
-            o_cc = i_c * KC + o_c
-            # [2BT, KC] and [KC, BV]
-            b_ap = load_ap(AP, i_bh, i_t, nb, o_cc, NB, NPAD, BT)
-            b_u = tl.load(vnew + ((i_b * N + o_cc[:, None]) * HV + i_hv) * V + o_v[None, :],
-                          mask=(o_cc < i_t * BT)[:, None] & m_v[None, :], other=0.)
-            b_z = tl.dot(b_ap, b_u, b_z, input_precision=DOT_PREC)
+    for i_t in range(0, tl.cdiv(n, BT)):
         rows = i_t * BT + o_r % BT
+        m_r = rows < n
+        # [2BT, BK] rows [k_t ; q_t] (raw), [2BT] coefficients of K S0 / Q S0 and of V
+        p_x = tl.where(m_top, k, q) + ((i_b * N + rows) * H + i_h) * K
+        b_x = tl.load(p_x[:, None] + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
+                      other=0.)
+        b_eG = tl.exp(tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.))
+        b_rn = tl.load(RN + (i_bh * 2 + (o_r >= BT)) * N + rows, mask=m_r, other=0.)
+        b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r & m_top,
+                         other=0.).to(tl.float32)
+        b_v = tl.load(v + ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+                      mask=(m_r & m_top)[:, None] & m_v[None, :], other=0.).to(tl.float32)
+        b_c = tl.where(m_top, -b_beta, 1.) * b_eG * b_rn
+        # [2BT, BV] = [beta (v - e^G rk k S0) ; e^G rq q S0]
+        b_y = b_beta[:, None] * b_v + b_c[:, None] * state_dot(b_x, b_sh, b_sl, DOT_PREC)
+        p_blk = (i_bh * NB + i_t) * 2 * BT
+        # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
+        for i_c in range(0, tl.cdiv(i_t * BT, KC)):
+            o_c = i_c * KC + tl.arange(0, KC)
+            m_c = o_c < i_t * BT
+            # [2BT, KC] and [KC, BV]; columns of later blocks are masked to zero
+            b_ap = tl.load(AP + (p_blk + o_r[:, None]) * NPAD + o_c[None, :], mask=m_c[None, :],
+                           other=0.)
+            b_u = tl.load(vnew + ((i_b * N + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
+                          mask=m_c[:, None] & m_v[None, :], other=0.)
+            b_y -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
+        # [2BT, 2BT] @ [2BT, BV] -> [V'_t ; O_t]
+        b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
+        b_z = tl.dot(b_w, b_y, input_precision=DOT_PREC)
         p_out = ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :]
         m_st = (rows < N)[:, None] & m_v[None, :]
         tl.store(vnew + p_out, b_z, mask=m_st & m_top[:, None])
         tl.store(o + p_out, b_z.to(o.dtype.element_ty), mask=m_st & (o_r >= BT)[:, None])
-        # the next block's independent part, while the stores drain
-        b_z0 = block_start(q, k, v, beta, G, RN, W, i_t + 1, nb, n, b_sh, b_sl, i_b, i_h, i_hv,
-                           i_bh, o_k, o_v, N, H, HV, K, V, NB, BT, DOT_PREC)
         # later blocks re-read this block's V' written by other threads of the program
         tl.debug_barrier()
     # padding blocks past n
     o_i = tl.arange(0, BT)
-    for i_t in range(nb, tl.cdiv(N, BT)):
+    for i_t in range(tl.cdiv(n, BT), tl.cdiv(N, BT)):
         rows = i_t * BT + o_i
         p_out = ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :]
         m_st = (rows < N)[:, None] & m_v[None, :]
@@ -147,10 +108,8 @@ def tree_gdn_solve_kernel(
 def _config(N, K, V):
     """(BT, BV, num_warps) of the solve kernel for trees of up to N nodes.
 
-    Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128) before the
-    prep was split over block pairs and W folded into AP: 16/16/4 was fastest for n = 16..65 and
-    32/32/4 for n = 129; BT=64 was 2-3x slower everywhere. Not yet re-measured: 16/16/4 now has
-    no register spills on sm_90 while 32/32/4 spills ~270 bytes, so BT=16 may win at n = 129 too.
+    Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128): 16/16/4 was
+    fastest for n = 16..65 and 32/32/4 for n = 129; BT=64 was 2-3x slower everywhere.
     """
     if N <= 96:
         return 16, 16, 4
@@ -226,12 +185,12 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     RN = torch.empty(B * HV, 2, N, dtype=f32, device=dev)
     AP = torch.empty(B * HV, NB, 2 * BT, NPAD, dtype=f32, device=dev)
     W = torch.empty(B * HV, NB, 2 * BT, 2 * BT, dtype=f32, device=dev)
-    # one prep program per block pair (t, c), c <= t
-    tree_gdn_prep_kernel[(NB * (NB + 1) // 2, B * HV)](
+    tree_gdn_prep_kernel[(NB, B * HV)](
         q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, anc.shape[-1],
-        NB, NPAD, BT=BT, BK=BK, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision, num_warps=4)
+        NB, NPAD, BT=BT, BK=BK, BC=min(NPAD, 32), USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
+        num_warps=4)
     tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB,
-        NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, 128), STATE_V_FIRST=state_v_first,
-        DOT_PREC=precision, num_warps=nw, num_stages=1)
+        NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, 128), STATE_V_FIRST=state_v_first, DOT_PREC=precision,
+        num_warps=nw, num_stages=1)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

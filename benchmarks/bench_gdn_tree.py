@@ -33,12 +33,13 @@ HBM = 4.8e12
 # goals for the verify (us per layer) and for (snapshots) / (verify + commit)
 GOAL_US = {65: 27.0, 129: 40.0}
 GOAL_SPEEDUP = {65: 5.0}
-# solve configurations (block_t, block_v, num_warps) timed per tree size
-CONFIGS = [(16, 32, 4), (16, 16, 4), (32, 32, 4), (32, 16, 4), (32, 64, 8), (64, 64, 8)]
+# configurations (block_t, block_v, num_warps of the solve; block_c of the prep) timed per tree size
+CONFIGS = [(16, 32, 4, 32), (16, 16, 4, 32), (16, 16, 4, 64), (16, 16, 4, 128), (32, 32, 4, 32),
+           (32, 32, 4, 64), (32, 32, 4, 128), (32, 16, 4, 64), (32, 64, 8, 32), (64, 64, 8, 32)]
 
 
 def configs_for(n):
-    return [c for c in CONFIGS if c[0] <= max(16, n)]
+    return [c for c in CONFIGS if c[0] <= max(16, n) and c[3] <= max(32, n)]
 
 
 @triton.jit
@@ -120,9 +121,9 @@ def floor_us(n, in_bytes=2):
 
 
 def verify_call(d, cfg):
-    bt, bv, nw = cfg
+    bt, bv, nw, bc = cfg
     return tree_gdn_verify(d["q"], d["k"], d["v"], d["g"], d["beta"], None, d["num"], d["pool"],
-                           d["sidx"], anc=d["anc"], block_t=bt, block_v=bv, num_warps=nw)
+                           d["sidx"], anc=d["anc"], block_t=bt, block_v=bv, num_warps=nw, block_c=bc)
 
 
 def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf")):
@@ -151,14 +152,14 @@ def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf")):
         except Exception as e:  # noqa: BLE001 - record and go on
             row["verify_configs"].append(dict(config=list(cfg), error=repr(e)[:300]))
             continue
-        row["verify_configs"].append(dict(block_t=cfg[0], block_v=cfg[1], num_warps=cfg[2], us=t,
+        row["verify_configs"].append(dict(block_t=cfg[0], block_v=cfg[1], num_warps=cfg[2], block_c=cfg[3], us=t,
                                           rel_rms_o=err, default=cfg == default))
     ok = [c for c in row["verify_configs"] if "us" in c]
     if ok:
         row["verify"] = min(ok, key=lambda c: c["us"])
         row["verify_default"] = next((c for c in ok if c["default"]), None)
     cfg = default if not ok else (row["verify"]["block_t"], row["verify"]["block_v"],
-                                  row["verify"]["num_warps"])
+                                  row["verify"]["num_warps"], row["verify"]["block_c"])
     stashes = [verify_call(d, cfg)[1] for d in sets]
 
     def commit(d, st):
@@ -230,7 +231,7 @@ def summarize(res):
         v, dflt = r["verify"], r.get("verify_default") or {}
         goal = GOAL_US.get(r["n"])
         s = dict(n=r["n"], tree=r["kind"], depth=r["depth"], verify_us=round(v["us"], 2),
-                 verify_config=[v["block_t"], v["block_v"], v["num_warps"]],
+                 verify_config=[v["block_t"], v["block_v"], v["num_warps"], v["block_c"]],
                  verify_default_us=round(dflt["us"], 2) if dflt else None,
                  default_config=r["default_config"], commit_us=round(r["commit"]["us"], 2),
                  rel_rms_o=v["rel_rms_o"], rel_rms_commit=r["commit"]["rel_rms_state"],

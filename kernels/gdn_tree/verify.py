@@ -106,19 +106,20 @@ def tree_gdn_solve_kernel(
 
 
 def _config(N, K, V):
-    """(BT, BV, num_warps) of the solve kernel for trees of up to N nodes.
+    """(BT, BV, num_warps, BC) for trees of up to N nodes: the solve kernel's node block, V tile and warps, and
+    the prep kernel's column chunk over earlier nodes.
 
     Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128): 16/16/4 was
     fastest for n = 16..65 and 32/32/4 for n = 129; BT=64 was 2-3x slower everywhere.
     """
     if N <= 96:
-        return 16, 16, 4
-    return 32, min(32, max(16, triton.next_power_of_2(V))), 4
+        return 16, 16, 4, 32
+    return 32, min(32, max(16, triton.next_power_of_2(V))), 4, 32
 
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
-                    check=True, block_t=None, block_v=None, num_warps=None, num_stages=None):
+                    check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -139,6 +140,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         precision: `tl.dot` input precision on GPU, "tf32" | "tf32x3" | "ieee".
         check: validate `parent` on the host when building `anc` (syncs). Default: True.
         block_t, block_v, num_warps: tuning overrides of the solve kernel (block_t in 16, 32, 64).
+        block_c: tuning override of the prep kernel's column chunk (a power of 2 >= 16).
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
             must not be software-pipelined.
     Returns:
@@ -168,10 +170,12 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     if anc is None:
         anc = tree_ancestor_bits(parent, num_nodes, check=check)
     scale = K ** -0.5 if scale is None else scale
-    BT, BV, nw = _config(N, K, V)
-    BT, BV, nw = block_t or BT, block_v or BV, num_warps or nw
+    BT, BV, nw, BC = _config(N, K, V)
+    BT, BV, nw, BC = block_t or BT, block_v or BV, num_warps or nw, block_c or BC
     if BT not in (16, 32, 64):
         raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")
+    if BC < 16 or BC & (BC - 1):
+        raise ValueError(f"block_c must be a power of 2 >= 16, got {BC}")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     anc, num_nodes, state_idx = anc.contiguous(), num_nodes.contiguous(), state_idx.contiguous()
     dev, f32 = v.device, torch.float32
@@ -187,7 +191,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     W = torch.empty(B * HV, NB, 2 * BT, 2 * BT, dtype=f32, device=dev)
     tree_gdn_prep_kernel[(NB, B * HV)](
         q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, anc.shape[-1],
-        NB, NPAD, BT=BT, BK=BK, BC=min(NPAD, 32), USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
+        NB, NPAD, BT=BT, BK=BK, BC=min(NPAD, BC), USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
         num_warps=4)
     tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB,

@@ -96,6 +96,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--loss", choices=["kl", "ce"], default="kl")
     ap.add_argument("--torch-scores", action="store_true",
                     help="score candidates through weight[cand] + bmm instead of the Triton gather kernels")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the objective's forward (as the train config's compile: auto does on GPU)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of 3 profiled steps (rank 0)")
     ap.add_argument("--out", help="write the JSON result here (rank 0)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -131,6 +132,8 @@ def main(argv=None) -> dict:
     embed = torch.randn(p["vocab"], p["d_model"], generator=g, device=device).to(dtype) * 0.02
     lm_head = torch.randn(p["vocab"], p["d_model"], generator=g, device=device).to(dtype) * 0.02
     obj = WeaverObjective(initial_weaver(wcfg, 0), embed, lm_head, kind=args.loss, weights=depth_weights(p["L"], None))
+    if args.compile:
+        obj.forward = torch.compile(obj.forward)
     opt = torch.optim.AdamW(obj.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
     ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "train_batch_size": args.global_batch, "gradient_clipping": 1.0,
@@ -177,7 +180,7 @@ def main(argv=None) -> dict:
     score = score_time_ms(micro, p, lm_head, args.torch_scores) if cuda else None
     result = {"preset": args.preset, "weaver_params": sum(q.numel() for q in obj.weaver.parameters()),
               "world_size": world, "global_batch": args.global_batch, "micro_batch_per_rank": micro,
-              "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32", "candidate_scores": scores,
+              "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32", "candidate_scores": scores, "compiled": args.compile,
               "median_step_s": step_s, "samples_per_s": args.global_batch / step_s,
               "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),
               "flops_per_sample": flops_per_row(wcfg), "candidate_scoring_fwd_bwd": score,

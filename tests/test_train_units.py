@@ -118,6 +118,32 @@ def test_batch_order_splits_ranks_and_is_a_function_of_the_step():
         BatchOrder(10, micro=4, accum=2, world=2, seed=0)
 
 
+def test_compiled_objective_matches_eager():
+    """The `compile` setting wraps WeaverObjective.forward in torch.compile: same loss and gradients."""
+    cfg = WeaverConfig(d_model=16, d_embed=16, d_rank=8, num_layers=1, num_heads=2, mlp_dim=16, lookahead=3,
+                       candidate_pool=5)
+    g = torch.Generator().manual_seed(2)
+    E, W = torch.randn(30, 16, generator=g), torch.randn(30, 16, generator=g)
+    cand = torch.randint(0, 30, (4, 3, 5), generator=g)
+    b = {"h_final": torch.randn(4, 16, generator=g), "dflash_hidden": torch.randn(4, 3, 16, generator=g),
+         "root_token": torch.tensor([1, 2, 3, 4]), "true_tokens": cand[..., 0].clone(), "cand_ids": cand,
+         "cand_logits": torch.randn(4, 3, 5, generator=g), "loss_mask": torch.ones(4, 3, dtype=torch.bool),
+         "target_topk_ids": cand[..., :2].clone(), "target_topk_logprobs": torch.log_softmax(torch.randn(4, 3, 2), -1)}
+    out = []
+    for compiled in (False, True):
+        weaver = initial_weaver(cfg, 0)
+        torch.nn.init.normal_(weaver.lm_head_query_in.weight, std=0.1, generator=torch.Generator().manual_seed(3))
+        obj = WeaverObjective(weaver, E, W, kind="kl", weights=torch.ones(3))
+        if compiled:
+            obj.forward = torch.compile(obj.forward)
+        loss, _ = obj(b)
+        loss.backward()
+        out.append((loss.detach(), weaver.lm_head_query_in.weight.grad.clone()))
+    torch.testing.assert_close(out[0][0], out[1][0])
+    torch.testing.assert_close(out[0][1], out[1][1])
+    assert out[0][1].abs().sum() > 0
+
+
 def test_train_config_validation_and_deepspeed_config(tmp_path):
     with pytest.raises(ValueError, match="unknown keys \\['lr_max'\\]"):
         TrainConfig.from_dict({"data": ["x"], "output_dir": "y", "lr_max": 1})
@@ -133,7 +159,9 @@ def test_train_config_validation_and_deepspeed_config(tmp_path):
     assert c.data == ["/shards"]
     ds = c.deepspeed_config(world_size=2, bf16=True)
     assert ds["train_batch_size"] == 48 and ds["zero_optimization"] == {"stage": 2} and ds["bf16"]["enabled"]
-    other = TrainConfig.from_dict({**c.to_dict(), "eval_every": 7, "output_dir": "/elsewhere"})
+    with pytest.raises(ValueError, match="compile must be 'auto', 'on' or 'off'"):
+        TrainConfig.from_dict({"data": ["x"], "output_dir": "y", "compile": True})
+    other = TrainConfig.from_dict({**c.to_dict(), "eval_every": 7, "output_dir": "/elsewhere", "compile": "off"})
     assert other.run_hash() == c.run_hash()                          # evaluation/paths do not change the trajectory
     assert TrainConfig.from_dict({**c.to_dict(), "lr": 1e-3}).run_hash() != c.run_hash()
 

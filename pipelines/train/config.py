@@ -48,6 +48,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     zero_stage: int = 2
     precision: str = "auto"               # auto: bf16 on GPU, fp32 on CPU
+    compile: str = "auto"                 # torch.compile the objective's forward: auto (Weaver on GPU) | on | off
     seed: int = 0
     # ---- evaluation and checkpoints
     heldout_fraction: float = 0.05        # of the sequences (by sample_id), never trained on
@@ -79,7 +80,8 @@ class TrainConfig:
                   ("keep_last", self.keep_last >= 1, ">= 1"), ("block_size", self.block_size >= 2, ">= 2"),
                   ("anchors_per_sequence", self.anchors_per_sequence >= 1, ">= 1"),
                   ("eval_budgets", all(b >= 1 for b in self.eval_budgets), "budgets >= 1"),
-                  ("depth_gamma", self.depth_gamma is None or self.depth_gamma > 0, "null or > 0")]
+                  ("depth_gamma", self.depth_gamma is None or self.depth_gamma > 0, "null or > 0"),
+                  ("compile", self.compile in ("auto", "on", "off"), "'auto', 'on' or 'off'")]
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"train config: {name} must be {expected}, got {getattr(self, name)!r}")
@@ -99,7 +101,7 @@ class TrainConfig:
         """Hash of every setting that changes the trajectory: a run folder only resumes under the same hash."""
         d = self.to_dict()
         for k in ("output_dir", "eval_every", "eval_rows", "eval_budgets", "checkpoint_every", "keep_last",
-                  "log_every", "device"):
+                  "log_every", "device", "compile"):
             d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 

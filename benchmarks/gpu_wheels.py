@@ -16,7 +16,7 @@ import sys
 from packaging.version import Version
 
 # distributions whose version matters to what we run (datasets 5.2 needs these)
-MIN_VERSION = {"pyarrow": "24.0.0", "huggingface_hub": "1.31.0"}
+MIN_VERSION = {"pyarrow": "24.0.0", "huggingface_hub": "1.31.0", "transformers": "5.24.0"}  # 5.24: Qwen3.5 classes
 CHECK_IMPORTS = ["datasets", "pyarrow.parquet", "deepspeed", "gguf"]
 
 

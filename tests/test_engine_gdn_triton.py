@@ -13,9 +13,15 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
                                 reason="needs CUDA or TRITON_INTERPRET=1")
 
 
+DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
+
+
 @pytest.fixture(scope="module", params=HYBRID_FAMILIES)
 def world(request):
-    return tiny_world(request.param, dtype=torch.float32, seed=5)
+    w = tiny_world(request.param, dtype=torch.float32, seed=5)
+    for m in (w.target, w.drafter, w.weaver):
+        m.to(DEV)
+    return w
 
 
 def test_tree_pass_and_commit_match_torch_path(world):
@@ -34,7 +40,7 @@ def test_tree_pass_and_commit_match_torch_path(world):
     for backend in ("torch", "triton"):
         v = TreeVerifier(t, backend=backend)
         cache = t.new_cache()
-        t(prompt[None], past_key_values=cache, use_cache=True)
+        t(prompt[None].to(DEV), past_key_values=cache, use_cache=True)
         before = [layer.recurrent_states[0].clone() for layer in cache.layers if hasattr(layer, "recurrent_states")]
         o1 = v.verify(cache, tokens, parents, depths, anc, 9)
         after = [layer.recurrent_states[0] for layer in cache.layers if hasattr(layer, "recurrent_states")]
@@ -49,7 +55,7 @@ def test_tree_pass_and_commit_match_torch_path(world):
 
 def test_greedy_decoding_with_triton_gdn_equals_hf(world):
     prompt = [7, 100, 31, 5]
-    ref = world.target.model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+    ref = world.target.model.generate(torch.tensor([prompt], device=DEV), max_new_tokens=8, min_new_tokens=8,
                                       do_sample=False, pad_token_id=0, eos_token_id=None)[0, 4:].tolist()
     dec = SpeculativeDecoder(world.target, world.drafter, world.weaver, tree_budget=8, gdn_backend="triton")
     assert dec.verifier.backend == "triton"

@@ -26,7 +26,6 @@ from _timing import env_info  # noqa: E402  (also puts the repo root on sys.path
 from gdn_tree_cases import H, HV, K, V, correctness_matrix, fla_chain_check, make_inputs, rel  # noqa: E402
 
 from kernels.gdn_tree import ref, tree_ancestor_bits, tree_gdn_commit, tree_gdn_verify  # noqa: E402
-from kernels.gdn_tree.solve_right import right_solve_fits  # noqa: E402
 from kernels.gdn_tree.verify import _config  # noqa: E402
 from tfm_runtime.io import atomic_write_json  # noqa: E402
 
@@ -34,16 +33,13 @@ HBM = 4.8e12
 # goals for the verify (us per layer) and for (snapshots) / (verify + commit)
 GOAL_US = {65: 27.0, 129: 40.0}
 GOAL_SPEEDUP = {65: 5.0}
-# configurations (block_t, block_v, num_warps of the solve; block_c of the prep; left/right solve)
-CONFIGS = [(16, 16, 4, 32, "left"), (16, 16, 4, 64, "left"), (32, 32, 4, 64, "left"),
-           (32, 16, 4, 64, "left"), (64, 64, 8, 32, "left"),
-           (16, 16, 4, 64, "right"), (16, 16, 2, 64, "right"), (16, 32, 4, 64, "right"),
-           (32, 16, 4, 64, "right"), (32, 16, 8, 64, "right")]
+# configurations (block_t, block_v, num_warps of the solve; block_c of the prep) timed per tree size
+CONFIGS = [(16, 32, 4, 32), (16, 16, 4, 32), (16, 16, 4, 64), (16, 16, 4, 128), (32, 32, 4, 32),
+           (32, 32, 4, 64), (32, 32, 4, 128), (32, 16, 4, 64), (32, 64, 8, 32), (64, 64, 8, 32)]
 
 
 def configs_for(n):
-    return [c for c in CONFIGS if c[0] <= max(16, n)
-            and (c[4] == "left" or right_solve_fits(triton.cdiv(n, c[0]), c[0], c[1]))]
+    return [c for c in CONFIGS if c[0] <= max(16, n) and c[3] <= max(32, n)]
 
 
 @triton.jit
@@ -125,10 +121,9 @@ def floor_us(n, in_bytes=2):
 
 
 def verify_call(d, cfg):
-    bt, bv, nw, bc, solve = cfg
+    bt, bv, nw, bc = cfg
     return tree_gdn_verify(d["q"], d["k"], d["v"], d["g"], d["beta"], None, d["num"], d["pool"],
-                           d["sidx"], anc=d["anc"], block_t=bt, block_v=bv, num_warps=nw, block_c=bc,
-                           solve=solve)
+                           d["sidx"], anc=d["anc"], block_t=bt, block_v=bv, num_warps=nw, block_c=bc)
 
 
 def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf")):
@@ -142,7 +137,7 @@ def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf")):
         cpu, _ = make_inputs(1, n, [n], kind, torch.bfloat16, seed=100, P=2)
         ro, S, _, _ = ref.tree_gdn_recurrent(cpu["q"], cpu["k"], cpu["v"], cpu["g"], cpu["beta"],
                                              cpu["parent"], cpu["num"], cpu["S0"])
-    default = (*_config(n, K, V), "left")
+    default = _config(n, K, V)
     row = dict(n=n, kind=kind, depth=ref.tree_depth(sets[0]["parent"][0].cpu()),
                floor_us=floor_us(n), default_config=list(default), verify_configs=[])
     for cfg in configs_for(n):
@@ -157,15 +152,14 @@ def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf")):
         except Exception as e:  # noqa: BLE001 - record and go on
             row["verify_configs"].append(dict(config=list(cfg), error=repr(e)[:300]))
             continue
-        row["verify_configs"].append(dict(block_t=cfg[0], block_v=cfg[1], num_warps=cfg[2], block_c=cfg[3],
-                                          solve=cfg[4], us=t,
+        row["verify_configs"].append(dict(block_t=cfg[0], block_v=cfg[1], num_warps=cfg[2], block_c=cfg[3], us=t,
                                           rel_rms_o=err, default=cfg == default))
     ok = [c for c in row["verify_configs"] if "us" in c]
     if ok:
         row["verify"] = min(ok, key=lambda c: c["us"])
         row["verify_default"] = next((c for c in ok if c["default"]), None)
     cfg = default if not ok else (row["verify"]["block_t"], row["verify"]["block_v"],
-                                  row["verify"]["num_warps"], row["verify"]["block_c"], row["verify"]["solve"])
+                                  row["verify"]["num_warps"], row["verify"]["block_c"])
     stashes = [verify_call(d, cfg)[1] for d in sets]
 
     def commit(d, st):
@@ -237,7 +231,7 @@ def summarize(res):
         v, dflt = r["verify"], r.get("verify_default") or {}
         goal = GOAL_US.get(r["n"])
         s = dict(n=r["n"], tree=r["kind"], depth=r["depth"], verify_us=round(v["us"], 2),
-                 verify_config=[v["block_t"], v["block_v"], v["num_warps"], v["block_c"], v["solve"][0]],
+                 verify_config=[v["block_t"], v["block_v"], v["num_warps"], v["block_c"]],
                  verify_default_us=round(dflt["us"], 2) if dflt else None,
                  default_config=r["default_config"], commit_us=round(r["commit"]["us"], 2),
                  rel_rms_o=v["rel_rms_o"], rel_rms_commit=r["commit"]["rel_rms_state"],

@@ -79,13 +79,6 @@ VERIFY_CASES = [
     (1, 70, [70], 2, 4, 16, 16, "random", torch.float16, {"block_t": 16, "p_chain": 0.7}),
     (2, 200, [200, 77], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "p_chain": 0.9}),
     (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 16, "block_c": 64}),
-    # right-looking solve: corrections of later blocks in registers (several blocks, padding, layouts)
-    (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 16, "solve": "right"}),
-    (1, 70, [70], 2, 4, 16, 16, "chain", torch.float16, {"block_t": 16, "solve": "right"}),
-    (3, 40, [40, 9, 33], 2, 4, 16, 16, "random", torch.float32,
-     {"block_t": 16, "solve": "right", "pad_request": 1}),
-    (2, 129, [129, 100], 1, 2, 16, 16, "eagle", torch.float32, {"block_t": 32, "solve": "right"}),
-    (1, 33, [33], 2, 4, 32, 16, "binary", torch.float32, {"v_first": True, "solve": "right"}),
     (2, 200, [200, 150], 1, 2, 16, 16, "random", torch.float32, {"block_t": 32, "block_c": 128}),
     (1, 256, [250], 1, 1, 16, 16, "random", torch.float32, {"block_t": 16, "p_chain": 0.8}),
     (3, 24, [24, 9, 5], 2, 4, 16, 16, "random", torch.float32, {"pad_request": 2}),
@@ -115,8 +108,7 @@ def run_verify(case, seed=0):
     before = dpool.clone()
     d = [t.to(DEV) for t in (q, k, v, g, beta, parent, num, sidx)]
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], use_qk_l2norm=l2, state_v_first=vf,
-                               precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
-                               solve=extra.get("solve", "left"))
+                               precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"))
     assert torch.equal(dpool, before), "verify wrote the committed state"
     num_eff = torch.where(sidx >= 0, num, 0)
     S0 = pool[sidx.long().clamp(min=0)]
@@ -228,7 +220,7 @@ def test_rejects_non_topological_parents():
                         torch.tensor([0], dtype=torch.int32))
     check_parents(parent, torch.tensor([2]))  # the bad node is padding
     ok = torch.tensor([[-1, 0, 1, 2]], dtype=torch.int32)
-    for bad, match in (({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t"), ({"solve": "up"}, "solve")):
+    for bad, match in (({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t")):
         with pytest.raises(ValueError, match=match):
             tree_gdn_verify(q, q, v, g, g, ok, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
                             torch.tensor([0], dtype=torch.int32), **bad)

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from .prep import state_dot, state_split, tree_gdn_prep_kernel
-from .solve_right import right_solve_fits, tree_gdn_solve_right_kernel
 from .tree import MAX_NODES, tree_ancestor_bits
 
 
@@ -121,8 +120,7 @@ def _config(N, K, V):
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
-                    check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
-                    solve="left"):
+                    check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -144,8 +142,6 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         check: validate `parent` on the host when building `anc` (syncs). Default: True.
         block_t, block_v, num_warps: tuning overrides of the solve kernel (block_t in 16, 32, 64).
         block_c: tuning override of the prep kernel's column chunk (a power of 2 >= 16).
-        solve: "left" (each block re-reads earlier V' from the stash) or "right" (`solve_right.py`: later
-            blocks' corrections kept in registers; trees where they fit, else ValueError).
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
             must not be software-pipelined.
     Returns:
@@ -181,11 +177,6 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")
     if BC < 16 or BC & (BC - 1):
         raise ValueError(f"block_c must be a power of 2 >= 16, got {BC}")
-    if solve not in ("left", "right"):
-        raise ValueError(f"solve must be 'left' or 'right', got {solve!r}")
-    if solve == "right" and not right_solve_fits(triton.cdiv(N, BT), BT, BV):
-        raise ValueError(f"solve='right' keeps {triton.next_power_of_2(triton.cdiv(N, BT))} x {2 * BT} x {BV} "
-                         f"corrections in registers, over its budget: use a smaller block_v or solve='left'")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     anc, num_nodes, state_idx = anc.contiguous(), num_nodes.contiguous(), state_idx.contiguous()
     dev, f32 = v.device, torch.float32
@@ -203,14 +194,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, anc.shape[-1],
         NB, NPAD, BT=BT, BK=BK, BC=min(NPAD, BC), USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
         num_warps=4)
-    if solve == "right":
-        tree_gdn_solve_right_kernel[(triton.cdiv(V, BV), B * HV)](
-            q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB,
-            NPAD, BT=BT, BK=BK, BV=BV, NBP=triton.next_power_of_2(NB), STATE_V_FIRST=state_v_first,
-            DOT_PREC=precision, num_warps=nw, num_stages=1)
-    else:
-        tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
-            q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB,
-            NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, 128), STATE_V_FIRST=state_v_first, DOT_PREC=precision,
-            num_warps=nw, num_stages=1)
+    tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB,
+        NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, 128), STATE_V_FIRST=state_v_first, DOT_PREC=precision,
+        num_warps=nw, num_stages=1)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

@@ -291,12 +291,14 @@ def _spec(contract):
 
 
 def test_weaver_trains_on_shards_without_stored_candidates(data, tmp_path):
+    """Also runs the step under torch.compile (`compile: on`; on GPU `auto` turns it on)."""
     run = str(tmp_path / "run")
     cfg = _write(tmp_path / "t.json", {**WEAVER, "data": [str(data / "nocand")], "output_dir": run, "steps": 30,
                                        "micro_batch": 16, "eval_every": 30, "eval_rows": 32, "eval_budgets": [8],
-                                       "checkpoint_every": 30})
+                                       "checkpoint_every": 30, "compile": "on"})
     r = _run([sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"])
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "torch.compile: the objective's forward is compiled" in r.stderr + r.stdout
     ev = {x["step"]: x for x in _metrics(run) if x["kind"] == "eval"}
     assert ev[30]["loss"] < 0.8 * ev[0]["loss"] and ev[30]["accept_weaver_8"] > ev[0]["accept_weaver_8"]
 

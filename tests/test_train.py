@@ -270,12 +270,13 @@ def test_candidates_recomputed_from_dflash_hidden_match_the_stored_ones(data):
     import numpy as np
 
     from pipelines.train.data import ShardData
-    from pipelines.train.weaver_task import candidates_from_hidden, target_heads
+    from pipelines.train.weaver_task import target_heads
     from tfm_runtime.contract import Contract
+    from tfm_runtime.models.dflash import dflash_candidates
     sd = ShardData([str(data / "anchors")], mode="anchors", heldout_fraction=0.15, cache_dir=str(data / "hf"))
     rows = sd.rows(np.arange(64))
     _, head = target_heads(_spec(sd.contract), torch.device("cpu"), torch.float32)
-    ids, vals = candidates_from_hidden(torch.tensor(rows["dflash_hidden"]), head, 64)
+    ids, vals = dflash_candidates(torch.tensor(rows["dflash_hidden"]), head, 64)
     stored_ids, stored_vals = torch.tensor(rows["cand_ids"]).long(), torch.tensor(rows["cand_logits"])
     # The stored logits came from the unrounded hidden state: equal within bf16 rounding; the id sets agree
     # except where neighbouring logits are that close.

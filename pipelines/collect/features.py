@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pipelines.collect.inputs import Sample
+from tfm_runtime.models.dflash import dflash_candidates
 
 
 def sample_anchors(prompt_len: int, seq_len: int, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -93,11 +94,10 @@ def _featurize_group(target, drafter, samples, anchors_per_sequence, candidate_p
     posc = torch.minimum(pos, T[:, None] - 1)
     K = min(candidate_pool, target.vocab_size)
     k = min(target_topk, target.vocab_size)
-    cand_logits, cand_ids, t_lp, t_ids = [], [], [], []
+    cand_ids, cand_logits = dflash_candidates(u, target.lm_head_weight, K, topk_chunk)    # [A, L, K]
+    t_lp, t_ids = [], []
     for i in range(0, anc.numel(), topk_chunk):
         sl = slice(i, i + topk_chunk)
-        v, j = (u[sl] @ target.lm_head_weight.T).float().topk(K, dim=-1)               # [a, L, K]
-        cand_logits.append(v), cand_ids.append(j)
         logp = torch.log_softmax(target.head(out.h_final[b_of[sl, None], posc[sl]]).float(), dim=-1)  # [a, L, V]
         v, j = logp.topk(k, dim=-1)                                                    # [a, L, k]
         t_lp.append(v), t_ids.append(j)
@@ -112,8 +112,8 @@ def _featurize_group(target, drafter, samples, anchors_per_sequence, candidate_p
         "root_token": cpu(ids[b_of, anc]).astype(np.int32),
         "h_final": cpu(out.h_final[b_of, anc - 1].float()),
         "dflash_hidden": cpu(u.float()),
-        "cand_ids": cpu(torch.cat(cand_ids)).astype(np.int32),
-        "cand_logits": cpu(torch.cat(cand_logits)),
+        "cand_ids": cpu(cand_ids).astype(np.int32),
+        "cand_logits": cpu(cand_logits),
         "true_tokens": cpu(true).astype(np.int32),
         "target_topk_ids": cpu(t_ids).astype(np.int32),
         "target_topk_logprobs": cpu(t_lp),

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from pipelines.collect.models import is_tiny, load_target
+from tfm_runtime.models.dflash import dflash_candidates
 from tfm_runtime.models.weaver import Weaver, WeaverConfig
 
 FLOAT_COLUMNS = ("h_final", "dflash_hidden", "cand_logits")
@@ -130,18 +131,6 @@ def to_batch(rows: dict[str, np.ndarray], device: torch.device, dtype: torch.dty
     return out
 
 
-@torch.no_grad()
-def candidates_from_hidden(dflash_hidden: torch.Tensor, lm_head: torch.Tensor, K: int, chunk: int = 8):
-    """DFlash's top-K candidates per depth from its stored hidden states, as collect computes them:
-    dflash_hidden [B, L, H], lm_head [V, H] -> (cand_ids [B, L, K] long, cand_logits [B, L, K] (raw logits))."""
-    ids, vals = [], []
-    for i in range(0, dflash_hidden.shape[0], chunk):
-        logits = dflash_hidden[i:i + chunk] @ lm_head.T                                # [b, L, V]
-        v, j = logits.topk(K, dim=-1)
-        ids.append(j), vals.append(v)
-    return torch.cat(ids), torch.cat(vals)
-
-
 def heldout_metrics(objective: WeaverObjective, b: dict, logq: torch.Tensor) -> dict[str, float]:
     """Loss, per-depth candidate hit rate and top-1 agreement (Weaver and DFlash) with the target's argmax.
     logq [B, L, K] = objective.logq(b)."""
@@ -210,8 +199,8 @@ class WeaverTask:
     def rows(self, index: np.ndarray) -> dict:
         b = to_batch(self.data.rows(index), self.device, self.dtype)
         if self.recompute_candidates:
-            b["cand_ids"], b["cand_logits"] = candidates_from_hidden(b["dflash_hidden"], self.objective.frozen[1],
-                                                                     self.wcfg.candidate_pool)
+            b["cand_ids"], b["cand_logits"] = dflash_candidates(b["dflash_hidden"], self.objective.frozen[1],
+                                                                self.wcfg.candidate_pool, chunk=8)
         return b
 
     def batch(self, positions: np.ndarray, step: int = 0, micro: int = 0, rank: int = 0) -> dict:

@@ -152,6 +152,18 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+@torch.no_grad()
+def dflash_candidates(hidden: torch.Tensor, lm_head_weight: torch.Tensor, K: int, chunk: int = 64):
+    """DFlash's top-K candidates per depth from its hidden states (collect stores them; the trainer recomputes
+    them for shards without): hidden [A, L, H], lm_head_weight [V, H] -> (ids [A, L, K] long, logits [A, L, K]
+    fp32 raw logits). `chunk` rows at a time bound the [chunk, L, V] logits."""
+    ids, vals = [], []
+    for i in range(0, hidden.shape[0], chunk):
+        v, j = (hidden[i:i + chunk] @ lm_head_weight.T).float().topk(K, dim=-1)       # [a, L, K]
+        ids.append(j), vals.append(v)
+    return torch.cat(ids), torch.cat(vals)
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()

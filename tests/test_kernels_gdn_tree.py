@@ -81,6 +81,12 @@ VERIFY_CASES = [
     (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 16, "block_c": 64}),
     (2, 200, [200, 150], 1, 2, 16, 16, "random", torch.float32, {"block_t": 32, "block_c": 128}),
     (1, 256, [250], 1, 1, 16, 16, "random", torch.float32, {"block_t": 16, "p_chain": 0.8}),
+    # the solve without the next block's prefetch, and a prep whose last column chunk is partial
+    (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 16, "prefetch": False}),
+    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64,
+                                                               "prefetch": False}),
+    # padding nodes full of NaN must not reach real nodes (prep loads are masked by N, not n)
+    (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True}),
     (3, 24, [24, 9, 5], 2, 4, 16, 16, "random", torch.float32, {"pad_request": 2}),
     (2, 12, [12, 7], 2, 2, 20, 24, "random", torch.float32, {"v_first": True}),
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"gnorm": 0.01}),
@@ -103,13 +109,22 @@ def run_verify(case, seed=0):
         extra.get("beta_const"), extra.get("s0_scale", 1.0), extra.get("prenorm", False))
     if "pad_request" in extra:
         sidx[extra["pad_request"]] = -1
+    if extra.get("nan_padding"):
+        for b, n in enumerate(ns):
+            for t in (q, k, v, g, beta):
+                t[b, n:] = float("nan")
     vf, l2 = extra.get("v_first", False), extra.get("l2norm", True)
     dpool = (pool.transpose(-1, -2) if vf else pool).contiguous().to(DEV)
     before = dpool.clone()
     d = [t.to(DEV) for t in (q, k, v, g, beta, parent, num, sidx)]
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], use_qk_l2norm=l2, state_v_first=vf,
-                               precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"))
+                               precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
+                               prefetch=extra.get("prefetch", True))
     assert torch.equal(dpool, before), "verify wrote the committed state"
+    if extra.get("nan_padding"):
+        for b, n in enumerate(ns):  # the float64 reference reads nothing past n either
+            for t in (q, k, v, g, beta):
+                t[b, n:] = 0
     num_eff = torch.where(sidx >= 0, num, 0)
     S0 = pool[sidx.long().clamp(min=0)]
     ro, S, rv, rG = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num_eff, S0,

@@ -1,16 +1,24 @@
 """Parallel first stage of the tree GDN verify: the parts of the solve that do not involve V or S0.
 
-`tree_gdn_prep_kernel` runs one program per BT-node block t of the tree, request and value head,
-and writes, for that block:
-    G_t                          path-summed decay of the block's nodes             -> G  [B, N, HV]
-    rk_t, rq_t                   inverse norms of k and q (rq times the scale)      -> RN [BH, 2, N]
-    AP_t = [A_t,<t ; -P_t,<t]    the off-diagonal rows of A and P (cols < t BT)    -> AP [BH, NB, 2BT, NPAD]
-    W_t  = [[T, 0], [P_tt T, I]] with T = (I + A_tt)^{-1}                          -> W  [BH, NB, 2BT, 2BT]
+`tree_gdn_prep_kernel` runs, per request and value head, one program per BT-node block t for the
+diagonal and one per (block t, BC-column chunk c) tile of the off-diagonal rows, all in parallel:
+    diagonal program (t):
+      G_t                        path-summed decay of the block's nodes             -> G  [B, N, HV]
+      rk_t, rq_t                 inverse norms of k and q (rq times the scale)      -> RN [BH, 2, N]
+      W_t  = [[T, 0], [P_tt T, I]] with T = (I + A_tt)^{-1}                        -> W  [BH, NB, 2BT, 2BT]
+    tile program (t, c):
+      AP_t,c = [A_t,c ; -P_t,c]  the off-diagonal rows of A and P over columns
+                                 c BC .. c BC + BC - 1 below t BT                   -> AP [BH, NB, 2BT, NPAD]
 where A_ij = beta_i D_ij k_i.k_j for j a strict ancestor of i, P_ij = D_ij q_i.k_j for j on the
 path root..i, D_ij = exp(G_i - G_j), with normalised q (times the scale) and k. The Grams use the
 raw q/k tiles (bf16 feeds the tensor cores as is) and are scaled by the inverse norms afterwards.
 The two halves of AP and W are stacked along the rows so that the serial solve (verify.py) needs
 one dot per sweep over earlier blocks and one per block.
+
+The kernel is latency-bound, so every program issues all of its loads at once: addresses depend
+only on the program ids (masked by N, not by the request's node count n, which is read alongside
+and masks the values afterwards), and the ancestor words are read in an unrolled loop. Each
+program's critical path is then one memory round trip plus its arithmetic, whatever the tree size.
 """
 import triton
 import triton.language as tl
@@ -67,16 +75,15 @@ def state_dot(x, s_hi, s_lo, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def path_decay(g, anc, rows, i_b, i_hv, n, hi, N, HV, NW, R: tl.constexpr):
-    """[R] G_i = sum of g over the inclusive ancestors of node rows[i] (0 for rows >= n).
+def path_decay(g, anc, rows, m_r, i_b, i_hv, N, HV, NW: tl.constexpr, R: tl.constexpr):
+    """[R] G_i = sum of g over the inclusive ancestors of node rows[i] (0 where ~m_r).
 
-    `hi` bounds the node index of every row (only words below it are read).
+    The NW ancestor words are read in an unrolled loop, so no load waits on another.
     """
-    m_r = rows < n
     b_G = tl.zeros([R], dtype=tl.float32)
-    for i_w in range(0, tl.cdiv(tl.minimum(n, hi), 32)):
+    for i_w in tl.static_range(NW):
         o_c = i_w * 32 + tl.arange(0, 32)
-        b_g = tl.load(g + (i_b * N + o_c) * HV + i_hv, mask=o_c < n, other=0.).to(tl.float32)
+        b_g = tl.load(g + (i_b * N + o_c) * HV + i_hv, mask=o_c < N, other=0.).to(tl.float32)
         b_w = tl.load(anc + (i_b * N + rows) * NW + i_w, mask=m_r, other=0)
         b_on = ((b_w[:, None] >> tl.arange(0, 32)[None, :]) & 1) != 0
         b_G += tl.sum(tl.where(b_on, b_g[None, :], 0.), 1)
@@ -103,7 +110,7 @@ def diag_block_inverse(b_a, BT: tl.constexpr):
     m_eye = o_i[:, None] == o_i[None, :]
     b_at = tl.trans(tl.where(m_same, b_a, 0.))
     b_y = tl.where(m_eye, 1., 0.)
-    for i in range(1, 16):
+    for i in tl.static_range(1, 16):
         m_col = m_same & ((o_i % 16) == i)[None, :]
         b_ai = tl.sum(tl.where(m_col, b_at, 0.), 1)
         b_s = tl.sum(b_y * b_ai[None, :], 1)
@@ -137,53 +144,80 @@ def load_rows(x, rows, m_r, i_b, i_h, N, H, K, BK: tl.constexpr):
                    mask=m_r[:, None] & (o_k < K)[None, :], other=0.)
 
 
-# sizes that vary per call are not specialised on (one compile serves every tree size)
-@triton.jit(do_not_specialize=["N", "H", "HV", "NW", "NB"])
+@triton.jit
+def row_terms(q, k, g, beta, anc, rows, m_r, i_b, i_h, i_hv, N, H, HV, K, scale,
+              NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """What both program kinds need of the block's rows: raw q/k [BT, BK], G, rk, rq, beta [BT].
+
+    `m_r` masks the loads (rows < N); the caller masks the values by the node count.
+    """
+    b_G = path_decay(g, anc, rows, m_r, i_b, i_hv, N, HV, NW, BT)
+    b_k = load_rows(k, rows, m_r, i_b, i_h, N, H, K, BK)
+    b_q = load_rows(q, rows, m_r, i_b, i_h, N, H, K, BK)
+    b_rk = inv_norm(k, rows, m_r, i_b, i_h, N, H, K, BK, USE_L2NORM)
+    b_rq = inv_norm(q, rows, m_r, i_b, i_h, N, H, K, BK, USE_L2NORM) * scale
+    b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.).to(tl.float32)
+    return b_q, b_k, b_G, b_rk, b_rq, b_beta
+
+
+# sizes that vary per call are not specialised on (one compile per 32 nodes of N serves every tree)
+@triton.jit(do_not_specialize=["N", "H", "HV", "NB"])
 def tree_gdn_prep_kernel(
-    q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NW, NB, NPAD,
-    BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, USE_L2NORM: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
+    NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+    USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    # grid (NB, NCH + 1, B * HV): i_c < NCH is an off-diagonal tile, i_c == NCH the diagonal
+    i_t, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    NCH = tl.num_programs(1) - 1
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    i_s = tl.load(state_idx + i_b)
-    # a padded request (state_idx < 0) reads nothing
-    n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
     o_i = tl.arange(0, BT)
     rows = i_t * BT + o_i
-    m_r = rows < n
-    b_G = path_decay(g, anc, rows, i_b, i_hv, n, i_t * BT + BT, N, HV, NW, BT)
-    tl.store(G + (i_b * N + rows) * HV + i_hv, b_G, mask=rows < N)
-    if i_t * BT < n:
-        b_k = load_rows(k, rows, m_r, i_b, i_h, N, H, K, BK)
-        b_q = load_rows(q, rows, m_r, i_b, i_h, N, H, K, BK)
-        b_rk = inv_norm(k, rows, m_r, i_b, i_h, N, H, K, BK, USE_L2NORM)
-        b_rq = inv_norm(q, rows, m_r, i_b, i_h, N, H, K, BK, USE_L2NORM) * scale
-        tl.store(RN + i_bh * 2 * N + rows, b_rk, mask=rows < N)
-        tl.store(RN + (i_bh * 2 + 1) * N + rows, b_rq, mask=rows < N)
-        b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.).to(tl.float32)
-        p_blk = (i_bh * NB + i_t) * 2 * BT
-        # off-diagonal rows: all earlier nodes, BC columns at a time (columns >= i_t BT unread)
-        for i_c in range(0, tl.cdiv(i_t * BT, BC)):
+    m_N = rows < N
+    p_blk = (i_bh * NB + i_t) * 2 * BT
+    if i_c < NCH:
+        # columns c BC .. c BC + BC - 1 of the nodes below this block (an empty tile does nothing)
+        if i_c * BC < i_t * BT:
             o_c = i_c * BC + tl.arange(0, BC)
             m_c = o_c < i_t * BT
+            b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
+                q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
+                USE_L2NORM)
             b_kc = load_rows(k, o_c, m_c, i_b, i_h, N, H, K, BK)
             b_rkc = inv_norm(k, o_c, m_c, i_b, i_h, N, H, K, BK, USE_L2NORM)
-            b_Gc = path_decay(g, anc, o_c, i_b, i_hv, i_t * BT, i_c * BC + BC, N, HV, NW, BC)
-            b_on = anc_tile(anc, rows, o_c, m_r, i_b, N, NW) & m_c[None, :]
+            b_Gc = path_decay(g, anc, o_c, m_c, i_b, i_hv, N, HV, NW, BC)
+            b_on = anc_tile(anc, rows, o_c, m_N, i_b, N, NW) & m_c[None, :]
+            # a padded request (state_idx < 0) counts no nodes; where (not a product) keeps
+            # non-finite padding inputs out
+            i_s = tl.load(state_idx + i_b)
+            n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
+            b_on = b_on & (rows < n)[:, None]
             b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_Gc[None, :], float('-inf')))
-            b_a = (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_kc, DOT_PREC) * b_rkc[None, :]
-            b_p = b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :]
+            b_a = tl.where(b_on, (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_kc, DOT_PREC) *
+                           b_rkc[None, :], 0.)
+            b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :],
+                           0.)
             p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_c[None, :]
             tl.store(p_ap, b_a, mask=m_c[None, :])
             tl.store(p_ap + BT * NPAD, -b_p, mask=m_c[None, :])
-        # diagonal block
-        b_on = anc_tile(anc, rows, rows, m_r, i_b, N, NW)
+    else:
+        b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
+            q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
+            USE_L2NORM)
+        b_on = anc_tile(anc, rows, rows, m_N, i_b, N, NW)
+        i_s = tl.load(state_idx + i_b)
+        n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
+        m_r = rows < n
+        b_on = b_on & m_r[:, None]
+        b_G = tl.where(m_r, b_G, 0.)
+        tl.store(G + (i_b * N + rows) * HV + i_hv, b_G, mask=m_N)
+        tl.store(RN + i_bh * 2 * N + rows, tl.where(m_r, b_rk, 0.), mask=m_N)
+        tl.store(RN + (i_bh * 2 + 1) * N + rows, tl.where(m_r, b_rq, 0.), mask=m_N)
         b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_G[None, :], float('-inf')))
-        b_a = tl.where(o_i[:, None] > o_i[None, :], (b_beta * b_rk)[:, None] * b_d, 0.) * \
-            gram(b_k, b_k, DOT_PREC) * b_rk[None, :]
-        b_p = b_rq[:, None] * b_d * gram(b_q, b_k, DOT_PREC) * b_rk[None, :]
+        b_a = tl.where(b_on & (o_i[:, None] > o_i[None, :]),
+                       (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_k, DOT_PREC) * b_rk[None, :], 0.)
+        b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_k, DOT_PREC) * b_rk[None, :], 0.)
         b_x = merge_diag_inverses(diag_block_inverse(b_a, BT), b_a, BT, DOT_PREC)
         b_m = tl.dot(b_p, b_x, input_precision=DOT_PREC)
         p_w = W + (p_blk + o_i[:, None]) * 2 * BT + o_i[None, :]

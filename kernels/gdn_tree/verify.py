@@ -32,11 +32,29 @@ class GDNTreeStash(NamedTuple):
     state_v_first: bool
 
 
+@triton.jit
+def load_block(q, k, v, beta, G, RN, rows, n, i_b, i_h, i_hv, i_bh, N, H, HV, K, V, o_k, o_v, m_v,
+               BT: tl.constexpr):
+    """One block's own tiles for the stacked rows (r < BT: node rows[r] of the k half, else the q
+    half): raw [k ; q] [2BT, BK], e^G and the inverse norm [2BT], beta and v (zero in the q half)."""
+    o_r = tl.arange(0, 2 * BT)
+    m_top = o_r < BT
+    m_r = rows < n
+    p_x = tl.where(m_top, k, q) + ((i_b * N + rows) * H + i_h) * K
+    b_x = tl.load(p_x[:, None] + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.)
+    b_eG = tl.exp(tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.))
+    b_rn = tl.load(RN + (i_bh * 2 + (o_r >= BT)) * N + rows, mask=m_r, other=0.)
+    b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r & m_top, other=0.).to(tl.float32)
+    b_v = tl.load(v + ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
+                  mask=(m_r & m_top)[:, None] & m_v[None, :], other=0.).to(tl.float32)
+    return b_x, b_eG, b_rn, b_beta, b_v
+
+
 @triton.jit(do_not_specialize=["N", "H", "HV", "NB"])
 def tree_gdn_solve_kernel(
     q, k, v, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB, NPAD,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -58,22 +76,22 @@ def tree_gdn_solve_kernel(
     # same node of the O (q) half
     o_r = tl.arange(0, 2 * BT)
     m_top = o_r < BT
+    # the next block's own tiles are read while this block waits on V' (PREFETCH), so each serial
+    # step waits on one round trip, for the V' it re-reads
+    b_x, b_eG, b_rn, b_beta, b_v = load_block(q, k, v, beta, G, RN, o_r % BT, n, i_b, i_h, i_hv,
+                                              i_bh, N, H, HV, K, V, o_k, o_v, m_v, BT)
     for i_t in range(0, tl.cdiv(n, BT)):
         rows = i_t * BT + o_r % BT
-        m_r = rows < n
-        # [2BT, BK] rows [k_t ; q_t] (raw), [2BT] coefficients of K S0 / Q S0 and of V
-        p_x = tl.where(m_top, k, q) + ((i_b * N + rows) * H + i_h) * K
-        b_x = tl.load(p_x[:, None] + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
-                      other=0.)
-        b_eG = tl.exp(tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.))
-        b_rn = tl.load(RN + (i_bh * 2 + (o_r >= BT)) * N + rows, mask=m_r, other=0.)
-        b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r & m_top,
-                         other=0.).to(tl.float32)
-        b_v = tl.load(v + ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
-                      mask=(m_r & m_top)[:, None] & m_v[None, :], other=0.).to(tl.float32)
+        if not PREFETCH:
+            b_x, b_eG, b_rn, b_beta, b_v = load_block(q, k, v, beta, G, RN, rows, n, i_b, i_h,
+                                                      i_hv, i_bh, N, H, HV, K, V, o_k, o_v, m_v, BT)
         b_c = tl.where(m_top, -b_beta, 1.) * b_eG * b_rn
         # [2BT, BV] = [beta (v - e^G rk k S0) ; e^G rq q S0]
         b_y = b_beta[:, None] * b_v + b_c[:, None] * state_dot(b_x, b_sh, b_sl, DOT_PREC)
+        if PREFETCH:
+            b_x, b_eG, b_rn, b_beta, b_v = load_block(q, k, v, beta, G, RN, rows + BT, n, i_b,
+                                                      i_h, i_hv, i_bh, N, H, HV, K, V, o_k, o_v,
+                                                      m_v, BT)
         p_blk = (i_bh * NB + i_t) * 2 * BT
         # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
         for i_c in range(0, tl.cdiv(i_t * BT, KC)):
@@ -120,7 +138,8 @@ def _config(N, K, V):
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
-                    check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None):
+                    check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
+                    prefetch=True):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -142,6 +161,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         check: validate `parent` on the host when building `anc` (syncs). Default: True.
         block_t, block_v, num_warps: tuning overrides of the solve kernel (block_t in 16, 32, 64).
         block_c: tuning override of the prep kernel's column chunk (a power of 2 >= 16).
+        prefetch: the solve reads the next block's q/k/v rows while the current block waits on
+            its earlier V' (tuning; default True).
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
             must not be software-pipelined.
     Returns:
@@ -170,6 +191,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         raise ValueError(f"supports N <= {MAX_NODES} and K <= 256, got N={N}, K={K}")
     if anc is None:
         anc = tree_ancestor_bits(parent, num_nodes, check=check)
+    elif tuple(anc.shape) != (B, N, triton.cdiv(N, 32)):
+        raise ValueError(f"expected anc [B, N, ceil(N/32)] = {(B, N, triton.cdiv(N, 32))}, "
+                         f"got {tuple(anc.shape)}")
     scale = K ** -0.5 if scale is None else scale
     BT, BV, nw, BC = _config(N, K, V)
     BT, BV, nw, BC = block_t or BT, block_v or BV, num_warps or nw, block_c or BC
@@ -190,12 +214,16 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     RN = torch.empty(B * HV, 2, N, dtype=f32, device=dev)
     AP = torch.empty(B * HV, NB, 2 * BT, NPAD, dtype=f32, device=dev)
     W = torch.empty(B * HV, NB, 2 * BT, 2 * BT, dtype=f32, device=dev)
-    tree_gdn_prep_kernel[(NB, B * HV)](
-        q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, anc.shape[-1],
-        NB, NPAD, BT=BT, BK=BK, BC=min(NPAD, BC), USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
-        num_warps=4)
+    BC = min(NPAD, BC)
+    # off-diagonal column chunks (tiles below the diagonal blocks; empty ones exit at once)
+    NCH = triton.cdiv((NB - 1) * BT, BC)
+    tree_gdn_prep_kernel[(NB, NCH + 1, B * HV)](
+        q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
+        NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
+        # 4 warps spill registers past a 16x32 tile (ptxas -v, sm_90)
+        num_warps=4 if BT * BC <= 512 else 8)
     tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB,
         NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, 128), STATE_V_FIRST=state_v_first, DOT_PREC=precision,
-        num_warps=nw, num_stages=1)
+        PREFETCH=prefetch, num_warps=nw, num_stages=1)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

@@ -124,22 +124,19 @@ def tree_gdn_solve_kernel(
 
 
 def _config(N, K, V):
-    """(BT, BV, num_warps, BC) for trees of up to N nodes: the solve kernel's node block, V tile and warps, and
-    the prep kernel's column chunk over earlier nodes.
+    """Default tuning for trees of up to N nodes (keyword arguments of `tree_gdn_verify`).
 
-    Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128): 16/16/4 was
-    fastest for n = 16..65 and 32/32/4 for n = 129; BT=64 was 2-3x slower everywhere; a prep chunk of
-    64 columns beat 32 (n=65: 30.5 vs 31.6 us; n=129: 56.6 vs 60.1) and matched 128.
+    Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128).
     """
     if N <= 96:
-        return 16, 16, 4, 64
-    return 32, min(32, max(16, triton.next_power_of_2(V))), 4, 64
+        return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True, prep_maxnreg=0)
+    return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True, prep_maxnreg=0)
 
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
-                    prefetch=True):
+                    prefetch=None, prep_warps=None, prep_maxnreg=None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -162,7 +159,11 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         block_t, block_v, num_warps: tuning overrides of the solve kernel (block_t in 16, 32, 64).
         block_c: tuning override of the prep kernel's column chunk (a power of 2 >= 16).
         prefetch: the solve reads the next block's q/k/v rows while the current block waits on
-            its earlier V' (tuning; default True).
+            its earlier V' (tuning).
+        prep_warps, prep_maxnreg: tuning of the prep launch (warps; register cap, 0 for none,
+            which trades a few spills for more programs per SM).
+        stages: which launches run (benchmarks time the prep and the solve apart; a subset
+            leaves the outputs undefined).
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
             must not be software-pipelined.
     Returns:
@@ -195,8 +196,11 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         raise ValueError(f"expected anc [B, N, ceil(N/32)] = {(B, N, triton.cdiv(N, 32))}, "
                          f"got {tuple(anc.shape)}")
     scale = K ** -0.5 if scale is None else scale
-    BT, BV, nw, BC = _config(N, K, V)
-    BT, BV, nw, BC = block_t or BT, block_v or BV, num_warps or nw, block_c or BC
+    dflt = _config(N, K, V)
+    BT, BV = block_t or dflt["block_t"], block_v or dflt["block_v"]
+    nw, BC = num_warps or dflt["num_warps"], block_c or dflt["block_c"]
+    prefetch = dflt["prefetch"] if prefetch is None else prefetch
+    prep_maxnreg = dflt["prep_maxnreg"] if prep_maxnreg is None else prep_maxnreg
     if BT not in (16, 32, 64):
         raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")
     if BC < 16 or BC & (BC - 1):
@@ -217,13 +221,15 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     BC = min(NPAD, BC)
     # off-diagonal column chunks (tiles below the diagonal blocks; empty ones exit at once)
     NCH = triton.cdiv((NB - 1) * BT, BC)
-    tree_gdn_prep_kernel[(NB, NCH + 1, B * HV)](
-        q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
-        NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
-        # 4 warps spill registers past a 16x32 tile (ptxas -v, sm_90)
-        num_warps=4 if BT * BC <= 512 else 8)
-    tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
-        q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB,
-        NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, 128), STATE_V_FIRST=state_v_first, DOT_PREC=precision,
-        PREFETCH=prefetch, num_warps=nw, num_stages=1)
+    if "prep" in stages:
+        extra = {"maxnreg": prep_maxnreg} if prep_maxnreg else {}
+        tree_gdn_prep_kernel[(NB, NCH + 1, B * HV)](
+            q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
+            NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
+            num_warps=prep_warps or 4, **extra)
+    if "solve" in stages:
+        tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
+            q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V,
+            NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, 128), STATE_V_FIRST=state_v_first,
+            DOT_PREC=precision, PREFETCH=prefetch, num_warps=nw, num_stages=1)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

@@ -160,6 +160,68 @@ def row_terms(q, k, g, beta, anc, rows, m_r, i_b, i_h, i_hv, N, H, HV, K, scale,
     return b_q, b_k, b_G, b_rk, b_rq, b_beta
 
 
+@triton.jit
+def off_diagonal_tile(q, k, g, beta, anc, num_nodes, state_idx, AP, scale, i_t, i_c, i_b, i_h, i_hv,
+                      rows, m_N, p_blk, N, H, HV, K, NPAD, NW: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, BC: tl.constexpr, USE_L2NORM: tl.constexpr,
+                      DOT_PREC: tl.constexpr):
+    """AP rows of block t over columns c BC .. c BC + BC - 1 (nodes below the block)."""
+    o_i = tl.arange(0, BT)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < i_t * BT
+    b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
+        q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
+        USE_L2NORM)
+    b_kc = load_rows(k, o_c, m_c, i_b, i_h, N, H, K, BK)
+    b_rkc = inv_norm(k, o_c, m_c, i_b, i_h, N, H, K, BK, USE_L2NORM)
+    b_Gc = path_decay(g, anc, o_c, m_c, i_b, i_hv, N, HV, NW, BC)
+    b_on = anc_tile(anc, rows, o_c, m_N, i_b, N, NW) & m_c[None, :]
+    # a padded request (state_idx < 0) counts no nodes; where (not a product) keeps
+    # non-finite padding inputs out
+    i_s = tl.load(state_idx + i_b)
+    n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
+    b_on = b_on & (rows < n)[:, None]
+    b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_Gc[None, :], float('-inf')))
+    b_a = tl.where(b_on, (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_kc, DOT_PREC) *
+                   b_rkc[None, :], 0.)
+    b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :],
+                   0.)
+    p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_c[None, :]
+    tl.store(p_ap, b_a, mask=m_c[None, :])
+    tl.store(p_ap + BT * NPAD, -b_p, mask=m_c[None, :])
+
+
+@triton.jit
+def diagonal_block(q, k, g, beta, anc, num_nodes, state_idx, G, RN, W, scale, i_t, i_b, i_h, i_hv,
+                   i_bh, rows, m_N, p_blk, N, H, HV, K, NW: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr):
+    """G, the inverse norms and W = [[T, 0], [P_tt T, I]] of block t."""
+    o_i = tl.arange(0, BT)
+    b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
+        q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
+        USE_L2NORM)
+    b_on = anc_tile(anc, rows, rows, m_N, i_b, N, NW)
+    i_s = tl.load(state_idx + i_b)
+    n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
+    m_r = rows < n
+    b_on = b_on & m_r[:, None]
+    b_G = tl.where(m_r, b_G, 0.)
+    tl.store(G + (i_b * N + rows) * HV + i_hv, b_G, mask=m_N)
+    tl.store(RN + i_bh * 2 * N + rows, tl.where(m_r, b_rk, 0.), mask=m_N)
+    tl.store(RN + (i_bh * 2 + 1) * N + rows, tl.where(m_r, b_rq, 0.), mask=m_N)
+    b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_G[None, :], float('-inf')))
+    b_a = tl.where(b_on & (o_i[:, None] > o_i[None, :]),
+                   (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_k, DOT_PREC) * b_rk[None, :], 0.)
+    b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_k, DOT_PREC) * b_rk[None, :], 0.)
+    b_x = merge_diag_inverses(diag_block_inverse(b_a, BT), b_a, BT, DOT_PREC)
+    b_m = tl.dot(b_p, b_x, input_precision=DOT_PREC)
+    p_w = W + (p_blk + o_i[:, None]) * 2 * BT + o_i[None, :]
+    tl.store(p_w, b_x)
+    tl.store(p_w + BT, tl.zeros([BT, BT], dtype=tl.float32))
+    tl.store(p_w + 2 * BT * BT, b_m)
+    tl.store(p_w + 2 * BT * BT + BT, tl.where(o_i[:, None] == o_i[None, :], 1., 0.))
+
+
 # sizes that vary per call are not specialised on (one compile per 32 nodes of N serves every tree)
 @triton.jit(do_not_specialize=["N", "H", "HV", "NB"])
 def tree_gdn_prep_kernel(
@@ -167,61 +229,25 @@ def tree_gdn_prep_kernel(
     NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
     USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # grid (NB, NCH + 1, B * HV): i_c < NCH is an off-diagonal tile, i_c == NCH the diagonal
-    i_t, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    NCH = tl.num_programs(1) - 1
+    # grid (NB + NT, B * HV): programs 0 .. NB-1 are the diagonal blocks, the NT others the
+    # off-diagonal tiles (block t has cdiv(t BT, BC) of them), so no program is empty
+    i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_t, i_c, r = i_p, 0, i_p - NB
+    for s in range(1, NB):
+        cnt = tl.cdiv(s * BT, BC)
+        hit = (r >= 0) & (r < cnt)
+        i_t = tl.where(hit, s, i_t)
+        i_c = tl.where(hit, r, i_c)
+        r -= cnt
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    o_i = tl.arange(0, BT)
-    rows = i_t * BT + o_i
+    rows = i_t * BT + tl.arange(0, BT)
     m_N = rows < N
     p_blk = (i_bh * NB + i_t) * 2 * BT
-    if i_c < NCH:
-        # columns c BC .. c BC + BC - 1 of the nodes below this block (an empty tile does nothing)
-        if i_c * BC < i_t * BT:
-            o_c = i_c * BC + tl.arange(0, BC)
-            m_c = o_c < i_t * BT
-            b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
-                q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
-                USE_L2NORM)
-            b_kc = load_rows(k, o_c, m_c, i_b, i_h, N, H, K, BK)
-            b_rkc = inv_norm(k, o_c, m_c, i_b, i_h, N, H, K, BK, USE_L2NORM)
-            b_Gc = path_decay(g, anc, o_c, m_c, i_b, i_hv, N, HV, NW, BC)
-            b_on = anc_tile(anc, rows, o_c, m_N, i_b, N, NW) & m_c[None, :]
-            # a padded request (state_idx < 0) counts no nodes; where (not a product) keeps
-            # non-finite padding inputs out
-            i_s = tl.load(state_idx + i_b)
-            n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
-            b_on = b_on & (rows < n)[:, None]
-            b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_Gc[None, :], float('-inf')))
-            b_a = tl.where(b_on, (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_kc, DOT_PREC) *
-                           b_rkc[None, :], 0.)
-            b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :],
-                           0.)
-            p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_c[None, :]
-            tl.store(p_ap, b_a, mask=m_c[None, :])
-            tl.store(p_ap + BT * NPAD, -b_p, mask=m_c[None, :])
+    if i_p >= NB:
+        off_diagonal_tile(q, k, g, beta, anc, num_nodes, state_idx, AP, scale, i_t, i_c, i_b, i_h,
+                          i_hv, rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
+                          DOT_PREC)
     else:
-        b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
-            q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
-            USE_L2NORM)
-        b_on = anc_tile(anc, rows, rows, m_N, i_b, N, NW)
-        i_s = tl.load(state_idx + i_b)
-        n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
-        m_r = rows < n
-        b_on = b_on & m_r[:, None]
-        b_G = tl.where(m_r, b_G, 0.)
-        tl.store(G + (i_b * N + rows) * HV + i_hv, b_G, mask=m_N)
-        tl.store(RN + i_bh * 2 * N + rows, tl.where(m_r, b_rk, 0.), mask=m_N)
-        tl.store(RN + (i_bh * 2 + 1) * N + rows, tl.where(m_r, b_rq, 0.), mask=m_N)
-        b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_G[None, :], float('-inf')))
-        b_a = tl.where(b_on & (o_i[:, None] > o_i[None, :]),
-                       (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_k, DOT_PREC) * b_rk[None, :], 0.)
-        b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_k, DOT_PREC) * b_rk[None, :], 0.)
-        b_x = merge_diag_inverses(diag_block_inverse(b_a, BT), b_a, BT, DOT_PREC)
-        b_m = tl.dot(b_p, b_x, input_precision=DOT_PREC)
-        p_w = W + (p_blk + o_i[:, None]) * 2 * BT + o_i[None, :]
-        tl.store(p_w, b_x)
-        tl.store(p_w + BT, tl.zeros([BT, BT], dtype=tl.float32))
-        tl.store(p_w + 2 * BT * BT, b_m)
-        tl.store(p_w + 2 * BT * BT + BT, tl.where(o_i[:, None] == o_i[None, :], 1., 0.))
+        diagonal_block(q, k, g, beta, anc, num_nodes, state_idx, G, RN, W, scale, i_t, i_b, i_h,
+                       i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC)

@@ -219,11 +219,11 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     AP = torch.empty(B * HV, NB, 2 * BT, NPAD, dtype=f32, device=dev)
     W = torch.empty(B * HV, NB, 2 * BT, 2 * BT, dtype=f32, device=dev)
     BC = min(NPAD, BC)
-    # off-diagonal column chunks (tiles below the diagonal blocks; empty ones exit at once)
-    NCH = triton.cdiv((NB - 1) * BT, BC)
+    # off-diagonal tiles: block t has cdiv(t BT, BC) of BC columns
+    NT = sum(triton.cdiv(t * BT, BC) for t in range(1, NB))
     if "prep" in stages:
         extra = {"maxnreg": prep_maxnreg} if prep_maxnreg else {}
-        tree_gdn_prep_kernel[(NB, NCH + 1, B * HV)](
+        tree_gdn_prep_kernel[(NB + NT, B * HV)](
             q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
             NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
             num_warps=prep_warps or 4, **extra)

@@ -161,42 +161,34 @@ def row_terms(q, k, g, beta, anc, rows, m_r, i_b, i_h, i_hv, N, H, HV, K, scale,
 
 
 @triton.jit
-def off_diagonal_tile(q, k, g, beta, anc, num_nodes, state_idx, AP, scale, i_t, i_c, i_b, i_h,
-                      rows, m_N, N, H, HV, K, NB, NPAD, NW: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr, BC: tl.constexpr, GV: tl.constexpr,
-                      USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr):
-    """AP rows of block t over columns c BC .. c BC + BC - 1 (nodes below the block), for the GV
-    value heads that share q/k head i_h: the normalised Grams are computed once, the decay and
-    beta per value head."""
+def off_diagonal_tile(q, k, g, beta, anc, num_nodes, state_idx, AP, scale, i_t, i_c, i_b, i_h, i_hv,
+                      rows, m_N, p_blk, N, H, HV, K, NPAD, NW: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, BC: tl.constexpr, USE_L2NORM: tl.constexpr,
+                      DOT_PREC: tl.constexpr):
+    """AP rows of block t over columns c BC .. c BC + BC - 1 (nodes below the block)."""
     o_i = tl.arange(0, BT)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < i_t * BT
-    b_k = load_rows(k, rows, m_N, i_b, i_h, N, H, K, BK)
-    b_q = load_rows(q, rows, m_N, i_b, i_h, N, H, K, BK)
+    b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
+        q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
+        USE_L2NORM)
     b_kc = load_rows(k, o_c, m_c, i_b, i_h, N, H, K, BK)
-    b_rk = inv_norm(k, rows, m_N, i_b, i_h, N, H, K, BK, USE_L2NORM)
-    b_rq = inv_norm(q, rows, m_N, i_b, i_h, N, H, K, BK, USE_L2NORM) * scale
     b_rkc = inv_norm(k, o_c, m_c, i_b, i_h, N, H, K, BK, USE_L2NORM)
+    b_Gc = path_decay(g, anc, o_c, m_c, i_b, i_hv, N, HV, NW, BC)
     b_on = anc_tile(anc, rows, o_c, m_N, i_b, N, NW) & m_c[None, :]
     # a padded request (state_idx < 0) counts no nodes; where (not a product) keeps
     # non-finite padding inputs out
     i_s = tl.load(state_idx + i_b)
     n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
     b_on = b_on & (rows < n)[:, None]
-    # [BT, BC] normalised Grams k_i.k_j and q_i.k_j (q times the scale)
-    b_kk = b_rk[:, None] * gram(b_k, b_kc, DOT_PREC) * b_rkc[None, :]
-    b_qk = b_rq[:, None] * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :]
-    for j in tl.static_range(GV):
-        i_hv = i_h * GV + j
-        b_G = path_decay(g, anc, rows, m_N, i_b, i_hv, N, HV, NW, BT)
-        b_Gc = path_decay(g, anc, o_c, m_c, i_b, i_hv, N, HV, NW, BC)
-        b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_N, other=0.).to(tl.float32)
-        b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_Gc[None, :], float('-inf')))
-        b_a = tl.where(b_on, b_beta[:, None] * b_d * b_kk, 0.)
-        b_p = tl.where(b_on, b_d * b_qk, 0.)
-        p_ap = AP + (((i_b * HV + i_hv) * NB + i_t) * 2 * BT + o_i[:, None]) * NPAD + o_c[None, :]
-        tl.store(p_ap, b_a, mask=m_c[None, :])
-        tl.store(p_ap + BT * NPAD, -b_p, mask=m_c[None, :])
+    b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_Gc[None, :], float('-inf')))
+    b_a = tl.where(b_on, (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_kc, DOT_PREC) *
+                   b_rkc[None, :], 0.)
+    b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :],
+                   0.)
+    p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_c[None, :]
+    tl.store(p_ap, b_a, mask=m_c[None, :])
+    tl.store(p_ap + BT * NPAD, -b_p, mask=m_c[None, :])
 
 
 @triton.jit
@@ -234,31 +226,28 @@ def diagonal_block(q, k, g, beta, anc, num_nodes, state_idx, G, RN, W, scale, i_
 @triton.jit(do_not_specialize=["N", "H", "HV", "NB"])
 def tree_gdn_prep_kernel(
     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
-    NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, GV: tl.constexpr,
+    NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
     USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # grid (NB GV + NT, B * H) with GV = HV / H value heads per q/k head: programs 0 .. NB GV - 1
-    # are the diagonal blocks of each value head, the NT others the off-diagonal tiles (block t
-    # has cdiv(t BT, BC) of them) of all GV value heads at once, so no program is empty
-    i_p, i_bq = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bq // H, i_bq % H
-    ND = NB * GV
-    i_t, i_c, r = i_p // GV, 0, i_p - ND
+    # grid (NB + NT, B * HV): programs 0 .. NB-1 are the diagonal blocks, the NT others the
+    # off-diagonal tiles (block t has cdiv(t BT, BC) of them), so no program is empty
+    i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_t, i_c, r = i_p, 0, i_p - NB
     for s in range(1, NB):
         cnt = tl.cdiv(s * BT, BC)
         hit = (r >= 0) & (r < cnt)
         i_t = tl.where(hit, s, i_t)
         i_c = tl.where(hit, r, i_c)
         r -= cnt
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
     rows = i_t * BT + tl.arange(0, BT)
     m_N = rows < N
-    if i_p >= ND:
+    p_blk = (i_bh * NB + i_t) * 2 * BT
+    if i_p >= NB:
         off_diagonal_tile(q, k, g, beta, anc, num_nodes, state_idx, AP, scale, i_t, i_c, i_b, i_h,
-                          rows, m_N, N, H, HV, K, NB, NPAD, NW, BT, BK, BC, GV, USE_L2NORM,
+                          i_hv, rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
                           DOT_PREC)
     else:
-        i_hv = i_h * GV + i_p % GV
-        i_bh = i_b * HV + i_hv
         diagonal_block(q, k, g, beta, anc, num_nodes, state_idx, G, RN, W, scale, i_t, i_b, i_h,
-                       i_hv, i_bh, rows, m_N, (i_bh * NB + i_t) * 2 * BT, N, H, HV, K, NW, BT, BK,
-                       USE_L2NORM, DOT_PREC)
+                       i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC)

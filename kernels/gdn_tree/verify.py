@@ -223,9 +223,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     NT = sum(triton.cdiv(t * BT, BC) for t in range(1, NB))
     if "prep" in stages:
         extra = {"maxnreg": prep_maxnreg} if prep_maxnreg else {}
-        tree_gdn_prep_kernel[(NB * (HV // H) + NT, B * H)](
+        tree_gdn_prep_kernel[(NB + NT, B * HV)](
             q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
-            NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, GV=HV // H, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
+            NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
             num_warps=prep_warps or 4, **extra)
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](

@@ -37,10 +37,11 @@ GOAL_SPEEDUP = {64: 5.0, 65: 5.0}
 # prep's column tile and register cap (0: none)
 KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg")
 CONFIGS = [dict(zip(KEYS, c)) for c in [
-    (16, 16, 4, 16, True, 0), (16, 16, 4, 16, True, 128), (16, 16, 4, 16, True, 96),
-    (16, 16, 4, 32, True, 0), (16, 16, 4, 32, True, 128), (16, 16, 4, 32, True, 96),
-    (16, 16, 4, 64, True, 0), (16, 16, 4, 64, True, 128), (16, 16, 4, 128, True, 0),
-    (16, 32, 4, 32, True, 128), (32, 32, 4, 64, True, 0), (32, 32, 4, 128, True, 0)]]
+    (16, 16, 4, 16, True, 0), (16, 16, 4, 16, True, 128), (16, 16, 4, 32, True, 0),
+    (16, 16, 4, 32, True, 128), (16, 16, 4, 32, True, 96), (16, 16, 4, 64, True, 0),
+    (16, 16, 4, 64, True, 128), (16, 16, 4, 32, False, 0), (16, 32, 4, 32, True, 0),
+    (32, 32, 4, 64, True, 0), (32, 32, 4, 64, False, 0), (32, 32, 4, 128, False, 0),
+    (32, 16, 4, 64, False, 0)]]
 
 
 def configs_for(n):

@@ -1,16 +1,17 @@
 """Tree-masked Gated DeltaNet verify: outputs for every node, the committed state read-only.
 
-Two launches. `tree_gdn_prep_kernel` (prep.py; one program per BT-node block, request and value
-head, all in parallel) writes the path-summed decay G, the inverse q/k norms, the stacked
-off-diagonal rows AP_t = [A_t,<t ; -P_t,<t] of A (beta_i D_ij k_i.k_j) and P (D_ij q_i.k_j), and
-the block matrices W_t = [[T_t, 0], [P_tt T_t, I]] with T_t = (I + A_tt)^{-1}.
+Two launches. `tree_gdn_prep_kernel` (prep.py; one program per diagonal BT-node block and one per
+BC-column tile below it, per request and value head, all in parallel) writes the path-summed decay
+G, the inverse q/k norms, the stacked off-diagonal rows AP_t = [A_t,<t ; -P_t,<t] of A
+(beta_i D_ij k_i.k_j) and P (D_ij q_i.k_j), and the block matrices W_t = [[T_t, 0], [P_tt T_t, I]]
+with T_t = (I + A_tt)^{-1}.
 `tree_gdn_solve_kernel` (one program per V-tile, request and value head) is the only serial part,
 block forward substitution over the blocks t with the stacked [2BT, BV] tiles
     Y_t          = [beta (V_t - e^G K_t S0) ; e^G Q_t S0] - AP_t V'_<t
     [V'_t ; O_t] = W_t Y_t
-The first term is one dot of the stacked [k_t ; q_t] rows with S0 (off the serial chain); the
-second takes all earlier blocks at once ([2BT, NPAD] @ [NPAD, BV]), re-reading V'_<t from the
-`vnew` stash this program wrote.
+The first term is one dot of the stacked [k_t ; q_t] rows with S0 (off the serial chain: the next
+block's rows are read while the current one waits); the second takes all earlier blocks at once
+([2BT, NPAD] @ [NPAD, BV]), re-reading V'_<t from the `vnew` stash this program wrote.
 """
 from typing import NamedTuple
 
@@ -126,11 +127,12 @@ def tree_gdn_solve_kernel(
 def _config(N, K, V):
     """Default tuning for trees of up to N nodes (keyword arguments of `tree_gdn_verify`).
 
-    Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128).
+    Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128): 16-node blocks,
+    16-wide V tiles, 4 warps, prefetch and 32-column prep tiles were best or within 1% for n = 16..129
+    (block 32 was 0-10% slower, 64 2-3x slower); capping the prep at 96 registers gained 1% at n = 129.
     """
-    if N <= 96:
-        return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True, prep_maxnreg=0)
-    return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True, prep_maxnreg=0)
+    return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True,
+                prep_maxnreg=0 if N <= 96 else 96)
 
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,

@@ -1,0 +1,70 @@
+"""Registers and spills of the GDN tree kernels on sm_90, compiled on a machine without a GPU.
+
+    python benchmarks/ptxas_regs.py prep:16:32:3:4 solve:16:16:4:1:64 [--maxnreg 128]
+
+prep:BT:BC:NW:warps and solve:BT:BV:warps:prefetch:KC (Qwen3.6-27B shapes: K = V = 128, bf16 q/k/v,
+GV = 3). Triton lowers to PTX for the target without a driver; the ptxas shipped with Triton
+reports registers and spill bytes (`-v`), which decide how many programs fit on an SM.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.gdn_tree.prep import tree_gdn_prep_kernel  # noqa: E402
+from kernels.gdn_tree.verify import tree_gdn_solve_kernel  # noqa: E402
+
+INTS = ("N", "H", "HV", "K", "V", "NB", "NPAD")
+PTRS = dict(q="*bf16", k="*bf16", v="*bf16", o="*bf16", anc="*i32", num_nodes="*i32", state_idx="*i32")
+
+
+def ptxas_report(fn, consts, num_warps, maxnreg=None, num_stages=3):
+    """'R registers, S B spill' of `fn` specialised on `consts` for sm_90a."""
+    sig = {a: "i32" if a in INTS else "fp32" if a == "scale" else PTRS.get(a, "*fp32") for a in fn.arg_names}
+    sig.update({c: "constexpr" for c in consts})
+    opts = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next(os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
+                 if os.path.exists(os.path.join(bindir, n)))
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(k.asm["ptx"])
+        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True).stderr
+    regs, spill = re.search(r"Used (\d+) registers", err), re.search(r"(\d+) bytes spill stores", err)
+    if not regs:
+        raise RuntimeError(f"ptxas failed: {err[-500:]}")
+    return f"{regs.group(1)} registers, {spill.group(1) if spill else 0} B spill stores"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("specs", nargs="+", help="prep:BT:BC:NW:warps or solve:BT:BV:warps:prefetch:KC")
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap (prep launches)")
+    args = ap.parse_args()
+    for spec in args.specs:
+        kind, *v = spec.split(":")
+        v = [int(x) for x in v]
+        if kind == "prep" and len(v) == 4:
+            c = dict(NW=v[2], BT=v[0], BK=128, BC=v[1], USE_L2NORM=True, DOT_PREC="tf32")
+            print(spec, ptxas_report(tree_gdn_prep_kernel, c, v[3], args.maxnreg), flush=True)
+        elif kind == "solve" and len(v) == 5:
+            c = dict(BT=v[0], BK=128, BV=v[1], KC=v[4], STATE_V_FIRST=False, DOT_PREC="tf32",
+                     PREFETCH=bool(v[3]))
+            print(spec, ptxas_report(tree_gdn_solve_kernel, c, v[2], num_stages=1), flush=True)  # as launched
+        else:
+            sys.exit(f"expected prep:BT:BC:NW:warps or solve:BT:BV:warps:prefetch:KC, got {spec!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -142,7 +142,7 @@ def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf")):
         cpu, _ = make_inputs(1, n, [n], kind, torch.bfloat16, seed=100, P=2)
         ro, S, _, _ = ref.tree_gdn_recurrent(cpu["q"], cpu["k"], cpu["v"], cpu["g"], cpu["beta"],
                                              cpu["parent"], cpu["num"], cpu["S0"])
-    default = _config(n, K, V)
+    default = _config(n)
     row = dict(n=n, kind=kind, depth=ref.tree_depth(sets[0]["parent"][0].cpu()),
                floor_us=floor_us(n), default_config=default, verify_configs=[])
     for cfg in configs_for(n):

@@ -161,7 +161,7 @@ def row_terms(q, k, g, beta, anc, rows, m_r, i_b, i_h, i_hv, N, H, HV, K, scale,
 
 
 @triton.jit
-def off_diagonal_tile(q, k, g, beta, anc, num_nodes, state_idx, AP, scale, i_t, i_c, i_b, i_h, i_hv,
+def off_diagonal_tile(q, k, g, beta, anc, n, AP, scale, i_t, i_c, i_b, i_h, i_hv,
                       rows, m_N, p_blk, N, H, HV, K, NPAD, NW: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BC: tl.constexpr, USE_L2NORM: tl.constexpr,
                       DOT_PREC: tl.constexpr):
@@ -176,10 +176,7 @@ def off_diagonal_tile(q, k, g, beta, anc, num_nodes, state_idx, AP, scale, i_t, 
     b_rkc = inv_norm(k, o_c, m_c, i_b, i_h, N, H, K, BK, USE_L2NORM)
     b_Gc = path_decay(g, anc, o_c, m_c, i_b, i_hv, N, HV, NW, BC)
     b_on = anc_tile(anc, rows, o_c, m_N, i_b, N, NW) & m_c[None, :]
-    # a padded request (state_idx < 0) counts no nodes; where (not a product) keeps
-    # non-finite padding inputs out
-    i_s = tl.load(state_idx + i_b)
-    n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
+    # where (not a product) keeps non-finite padding inputs out
     b_on = b_on & (rows < n)[:, None]
     b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_Gc[None, :], float('-inf')))
     b_a = tl.where(b_on, (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_kc, DOT_PREC) *
@@ -192,7 +189,7 @@ def off_diagonal_tile(q, k, g, beta, anc, num_nodes, state_idx, AP, scale, i_t, 
 
 
 @triton.jit
-def diagonal_block(q, k, g, beta, anc, num_nodes, state_idx, G, RN, W, scale, i_t, i_b, i_h, i_hv,
+def diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h, i_hv,
                    i_bh, rows, m_N, p_blk, N, H, HV, K, NW: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr):
     """G, the inverse norms and W = [[T, 0], [P_tt T, I]] of block t."""
@@ -201,8 +198,6 @@ def diagonal_block(q, k, g, beta, anc, num_nodes, state_idx, G, RN, W, scale, i_
         q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
         USE_L2NORM)
     b_on = anc_tile(anc, rows, rows, m_N, i_b, N, NW)
-    i_s = tl.load(state_idx + i_b)
-    n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
     m_r = rows < n
     b_on = b_on & m_r[:, None]
     b_G = tl.where(m_r, b_G, 0.)
@@ -243,11 +238,15 @@ def tree_gdn_prep_kernel(
     i_h = i_hv // (HV // H)
     rows = i_t * BT + tl.arange(0, BT)
     m_N = rows < N
+    # read alongside the other loads (no address depends on it); a padded request
+    # (state_idx < 0) counts no nodes
+    i_s = tl.load(state_idx + i_b)
+    n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
     p_blk = (i_bh * NB + i_t) * 2 * BT
     if i_p >= NB:
-        off_diagonal_tile(q, k, g, beta, anc, num_nodes, state_idx, AP, scale, i_t, i_c, i_b, i_h,
+        off_diagonal_tile(q, k, g, beta, anc, n, AP, scale, i_t, i_c, i_b, i_h,
                           i_hv, rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
                           DOT_PREC)
     else:
-        diagonal_block(q, k, g, beta, anc, num_nodes, state_idx, G, RN, W, scale, i_t, i_b, i_h,
+        diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h,
                        i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC)

@@ -124,7 +124,7 @@ def tree_gdn_solve_kernel(
         tl.store(o + p_out, b_z.to(o.dtype.element_ty), mask=m_st)
 
 
-def _config(N, K, V):
+def _config(N):
     """Default tuning for trees of up to N nodes (keyword arguments of `tree_gdn_verify`).
 
     Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128): 16-node blocks,
@@ -198,7 +198,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         raise ValueError(f"expected anc [B, N, ceil(N/32)] = {(B, N, triton.cdiv(N, 32))}, "
                          f"got {tuple(anc.shape)}")
     scale = K ** -0.5 if scale is None else scale
-    dflt = _config(N, K, V)
+    dflt = _config(N)
     BT, BV = block_t or dflt["block_t"], block_v or dflt["block_v"]
     nw, BC = num_warps or dflt["num_warps"], block_c or dflt["block_c"]
     prefetch = dflt["prefetch"] if prefetch is None else prefetch

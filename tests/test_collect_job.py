@@ -11,6 +11,7 @@ import glob
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,10 +41,26 @@ CONFIG = {"target": "tiny:llama:0", "drafter": "tiny:llama:0", "max_new_tokens":
 BF16 = dict(rtol=2 ** -8, atol=1e-4)         # bf16 rounding: <= half an ulp <= 2^-8 relative; plus fp32 noise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct ports that are free now, drawn from outside the kernel's ephemeral range and Ray's worker ports
+    (10002-19999): a port handed out by `bind(0)` is ephemeral, so any process of the cluster that later binds
+    port 0 (a gRPC server, a metrics exporter) could take it before the component we meant it for. Seen in CI:
+    the dashboard agent failed to bind its HTTP port and the job was never run."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        lo, hi = (int(x) for x in f.read().split())
+    pool = [p for p in range(20000, 65536) if not lo <= p <= hi]
+    assert len(pool) >= 1000, f"ephemeral range {lo}-{hi} leaves too few fixed ports"
+    ports: list[int] = []
+    for p in random.sample(pool, len(pool)):
+        try:
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", p))
+        except OSError:
+            continue
+        ports.append(p)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"found only {len(ports)} of {n} free ports")
 
 
 def _http_json(url: str, timeout: float = 10.0):
@@ -51,10 +68,15 @@ def _http_json(url: str, timeout: float = 10.0):
         return json.loads(r.read().decode())
 
 
+class ClusterStartError(RuntimeError):
+    """The throwaway cluster did not come up; a fresh one (new ports, new temp dir) may."""
+
+
 class Cluster:
     def __init__(self, root: str):
         self.root = root
-        self.port, self.dash, self.agent = _free_port(), _free_port(), _free_port()
+        (self.port, self.dash, self.agent, client, node_manager, object_manager, runtime_env, agent_grpc,
+         metrics) = _free_ports(9)
         self.url = f"http://127.0.0.1:{self.dash}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
         env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=root, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1",
@@ -66,25 +88,34 @@ class Cluster:
         cmd = [self.ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
                "--num-cpus", "2", "--disable-usage-stats", "--include-dashboard", "true",
                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dash),
-               "--dashboard-agent-listen-port", str(self.agent), "--ray-client-server-port", str(_free_port()),
+               "--dashboard-agent-listen-port", str(self.agent), "--ray-client-server-port", str(client),
+               "--node-manager-port", str(node_manager), "--object-manager-port", str(object_manager),
+               "--runtime-env-agent-port", str(runtime_env), "--dashboard-agent-grpc-port", str(agent_grpc),
+               "--metrics-export-port", str(metrics),
                "--temp-dir", os.path.join(root, "ray")]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Until the job API answers and the head node's dashboard agent (which runs submitted jobs) accepts
-        connections: on a busy 2-core machine the agent can come up seconds after the API."""
+        """Until the job API answers and the head node's dashboard agent (which runs submitted jobs) answers its
+        health check: on a busy 2-core machine the agent can come up seconds after the API. An agent that could not
+        bind its HTTP port stays alive without it, so its log is checked too (raises ClusterStartError)."""
         t_end = time.monotonic() + timeout
         while time.monotonic() < t_end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {self.proc.returncode}:\n{self.read_log()}")
+                raise ClusterStartError(f"ray start exited with {self.proc.returncode}:\n{self.read_log()}")
+            if "Failed to start HTTP server" in self.dashboard_logs(tail=None):
+                raise ClusterStartError(f"the dashboard agent has no HTTP server:\n{self.dashboard_logs()}")
             try:
                 _http_json(f"{self.url}/api/jobs/", timeout=2)
-                with socket.create_connection(("127.0.0.1", self.agent), timeout=2):
-                    return
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.agent}/api/healthz", timeout=2) as r:
+                    if r.status == 200:
+                        return
             except (urllib.error.URLError, ConnectionError, OSError, ValueError):
-                time.sleep(0.5)
-        raise TimeoutError(f"the Ray job API at {self.url} did not come up in {timeout} s:\n{self.read_log()}")
+                pass
+            time.sleep(0.5)
+        raise ClusterStartError(f"the Ray job API at {self.url} or the agent on port {self.agent} did not come up "
+                                f"in {timeout} s:\n{self.read_log()}\n{self.dashboard_logs()}")
 
     def read_log(self) -> str:
         self.log.flush()
@@ -132,12 +163,12 @@ class Cluster:
                 pass
         pytest.fail("ray job submit failed:\n" + "\n".join(failures) + "\n" + self.dashboard_logs())
 
-    def dashboard_logs(self) -> str:
+    def dashboard_logs(self, tail: int | None = 3000) -> str:
         out = []
         for name in ("dashboard.log", "dashboard_agent.log"):
             for p in glob.glob(os.path.join(self.root, "ray", "session_latest", "logs", name)):
                 with open(p, errors="replace") as f:
-                    out.append(f"--- {name} (tail) ---\n{f.read()[-3000:]}")
+                    out.append(f"--- {name} (tail) ---\n{f.read()[-tail if tail else 0:]}")
         return "\n".join(out)
 
     def info(self, sid: str) -> dict:
@@ -171,16 +202,21 @@ def _group_alive(pgid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    root = tempfile.mkdtemp(prefix="tfmray-", dir="/tmp")      # short: Ray's unix socket paths live under it
-    c = Cluster(root)
-
-    def teardown():
-        c.stop()
-        shutil.rmtree(root, ignore_errors=True)
-
-    request.addfinalizer(teardown)
-    c.wait_ready()
-    return c
+    """A ready cluster; one that fails to come up is torn down and started afresh, at most three times."""
+    errors = []
+    for _ in range(3):
+        root = tempfile.mkdtemp(prefix="tfmray-", dir="/tmp")  # short: Ray's unix socket paths live under it
+        c = Cluster(root)
+        try:
+            c.wait_ready()
+        except ClusterStartError as e:
+            errors.append(str(e)[-4000:])
+            c.stop()
+            shutil.rmtree(root, ignore_errors=True)
+            continue
+        request.addfinalizer(lambda: (c.stop(), shutil.rmtree(root, ignore_errors=True)))
+        return c
+    pytest.fail("the Ray cluster did not come up in 3 tries:\n" + "\n---\n".join(errors))
 
 
 @pytest.fixture(scope="module")

@@ -26,29 +26,37 @@ from _timing import env_info  # noqa: E402  (also puts the repo root on sys.path
 from gdn_tree_cases import H, HV, K, V, correctness_matrix, fla_chain_check, make_inputs, rel  # noqa: E402
 
 from kernels.gdn_tree import ref, tree_ancestor_bits, tree_gdn_commit, tree_gdn_verify  # noqa: E402
-from kernels.gdn_tree.verify import _config  # noqa: E402
+from kernels.gdn_tree.verify import _config, pdl_supported  # noqa: E402
 from tfm_runtime.io import atomic_write_json  # noqa: E402
 
 HBM = 4.8e12
 # goals for the verify (us per layer) and for (snapshots) / (verify + commit)
 GOAL_US = {65: 27.0, 129: 40.0}
 GOAL_SPEEDUP = {64: 5.0, 65: 5.0}
-# configurations timed per tree size: the solve's node block, V tile, warps and prefetch, and the
-# prep's column tile and register cap (0: none)
-KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg")
+# configurations timed per tree size: the solve's node block, V tile, warps and prefetch, the
+# prep's column tile and register cap (0: none), and programmatic dependent launch of the solve
+KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "pdl")
 CONFIGS = [dict(zip(KEYS, c)) for c in [
-    (16, 16, 4, 16, True, 0), (16, 16, 4, 16, True, 128), (16, 16, 4, 32, True, 0),
-    (16, 16, 4, 32, True, 128), (16, 16, 4, 32, True, 96), (16, 16, 4, 64, True, 0),
-    (16, 16, 4, 64, True, 128), (16, 16, 4, 32, False, 0), (16, 32, 4, 32, True, 0),
-    (32, 32, 4, 64, True, 0), (32, 32, 4, 64, False, 0), (32, 32, 4, 128, False, 0),
-    (32, 16, 4, 64, False, 0)]]
+    (16, 16, 4, 16, True, 0, True), (16, 16, 4, 16, True, 128, True), (16, 16, 4, 32, True, 0, True),
+    (16, 16, 4, 32, True, 0, False), (16, 16, 4, 32, True, 128, True), (16, 16, 4, 32, True, 96, True),
+    (16, 16, 4, 32, True, 96, False), (16, 16, 4, 64, True, 0, True), (16, 16, 4, 64, True, 128, True),
+    (16, 16, 4, 32, False, 0, True), (16, 32, 4, 32, True, 0, True), (32, 32, 4, 64, True, 0, True),
+    (32, 32, 4, 64, False, 0, True), (32, 32, 4, 128, False, 0, True), (32, 16, 4, 64, False, 0, True)]]
 
 
-def configs_for(n):
+def default_config(n):
+    """What `tree_gdn_verify` runs by default for n nodes on this device."""
+    return dict(_config(n), pdl=pdl_supported(torch.device("cuda")))
+
+
+def configs_for(n, quick=False):
+    """The configurations timed for n nodes; `quick`: the default and the same without PDL."""
+    if quick:
+        d = default_config(n)
+        return [d, dict(d, pdl=not d["pdl"])]
     return [c for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 
 
-@triton.jit
 def snapshot_recurrent_kernel(q, k, v, g, beta, parent, state, state_idx, o, snaps, scale, n,
                               N: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                               V: tl.constexpr, BV: tl.constexpr):
@@ -131,7 +139,7 @@ def verify_call(d, cfg, stages=("prep", "solve")):
                            d["sidx"], anc=d["anc"], stages=stages, **cfg)
 
 
-def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf")):
+def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf"), quick=False):
     sets = [make_inputs(1, n, [n], kind, torch.bfloat16, seed=100 + i, P=2)[1]
             for i in range(1 if warm else layers)]
     for d in sets:
@@ -142,10 +150,10 @@ def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf")):
         cpu, _ = make_inputs(1, n, [n], kind, torch.bfloat16, seed=100, P=2)
         ro, S, _, _ = ref.tree_gdn_recurrent(cpu["q"], cpu["k"], cpu["v"], cpu["g"], cpu["beta"],
                                              cpu["parent"], cpu["num"], cpu["S0"])
-    default = _config(n)
+    default = default_config(n)
     row = dict(n=n, kind=kind, depth=ref.tree_depth(sets[0]["parent"][0].cpu()),
                floor_us=floor_us(n), default_config=default, verify_configs=[])
-    for cfg in configs_for(n):
+    for cfg in configs_for(n, quick):
         if cfg != default and time.time() > t_end:
             continue  # out of time: keep the default only
         try:
@@ -281,6 +289,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip optional timings past this")
     for flag in ("--skip-check", "--no-fla", "--warm"):
         ap.add_argument(flag, action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="time only the default configuration and the same with PDL toggled")
     args = ap.parse_args()
     t0 = time.time()
     t_end = t0 + args.budget_s
@@ -293,7 +303,7 @@ def main():
             continue
         try:
             bench(n, kind, args.layers, not args.no_fla and kind == "chain", res["bench"],
-                  args.warm, t_end)
+                  args.warm, t_end, args.quick)
         except Exception as e:  # noqa: BLE001
             res["bench"].append(dict(n=n, kind=kind, error=repr(e)[:400]))
             print("bench failed", n, kind, repr(e)[:400], flush=True)

@@ -235,7 +235,8 @@ def test_rejects_non_topological_parents():
                         torch.tensor([0], dtype=torch.int32))
     check_parents(parent, torch.tensor([2]))  # the bad node is padding
     ok = torch.tensor([[-1, 0, 1, 2]], dtype=torch.int32)
-    for bad, match in (({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t")):
+    bad_pdl = [] if torch.cuda.is_available() and not INTERPRET else [({"pdl": True}, "compute capability")]
+    for bad, match in [({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t")] + bad_pdl:
         with pytest.raises(ValueError, match=match):
             tree_gdn_verify(q, q, v, g, g, ok, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
                             torch.tensor([0], dtype=torch.int32), **bad)
@@ -291,3 +292,35 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)
     assert rel_rms(dpool[sidx.long()][0], S[0, n - 1]) < 2e-3
+
+
+@gpu_only
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90+")
+@pytest.mark.parametrize("n", [16, 65, 129])
+def test_gpu_pdl_launch_matches_plain_launch(n):
+    """The solve launched with PDL (it starts while the prep runs and waits on gdc_wait) gives
+    bitwise the outputs and stash of the plain launch, eagerly and replayed in a CUDA graph."""
+    gen = torch.Generator().manual_seed(7 + n)
+    parent, num = make_batch(1, n, [n], "eagle", gen)
+    q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
+    d = [t.cuda() for t in (q, k, v, g, beta, parent, num)]
+    dpool, dsidx = pool.cuda(), sidx.cuda()
+    anc = tree_ancestor_bits(d[5], d[6])
+    plain, stash = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=False)
+    eager, stash_pdl = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True)
+    assert torch.equal(eager, plain) and torch.equal(stash_pdl.vnew, stash.vnew)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed, _ = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True)
+    for _ in range(3):
+        replayed.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, plain)
+    assert torch.equal(dpool.cpu(), pool), "verify wrote the committed state"

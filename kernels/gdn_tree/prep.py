@@ -222,8 +222,11 @@ def diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h, i_hv,
 def tree_gdn_prep_kernel(
     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
     NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
-    USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        # the solve may be scheduled once every prep program has started (it waits for our outputs)
+        tl.extra.cuda.gdc_launch_dependents()
     # grid (NB + NT, B * HV): programs 0 .. NB-1 are the diagonal blocks, the NT others the
     # off-diagonal tiles (block t has cdiv(t BT, BC) of them), so no program is empty
     i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)

@@ -13,6 +13,7 @@ The first term is one dot of the stacked [k_t ; q_t] rows with S0 (off the seria
 block's rows are read while the current one waits); the second takes all earlier blocks at once
 ([2BT, NPAD] @ [NPAD, BV]), re-reading V'_<t from the `vnew` stash this program wrote.
 """
+import os
 from typing import NamedTuple
 
 import torch
@@ -34,28 +35,36 @@ class GDNTreeStash(NamedTuple):
 
 
 @triton.jit
-def load_block(q, k, v, beta, G, RN, rows, n, i_b, i_h, i_hv, i_bh, N, H, HV, K, V, o_k, o_v, m_v,
-               BT: tl.constexpr):
-    """One block's own tiles for the stacked rows (r < BT: node rows[r] of the k half, else the q
-    half): raw [k ; q] [2BT, BK], e^G and the inverse norm [2BT], beta and v (zero in the q half)."""
+def load_rows(q, k, v, beta, rows, n, i_b, i_h, i_hv, N, H, HV, K, V, o_k, o_v, m_v,
+              BT: tl.constexpr):
+    """One block's input tiles for the stacked rows (r < BT: node rows[r] of the k half, else the q
+    half): raw [k ; q] [2BT, BK], beta [2BT] and v [2BT, BV] (zero in the q half)."""
     o_r = tl.arange(0, 2 * BT)
     m_top = o_r < BT
     m_r = rows < n
     p_x = tl.where(m_top, k, q) + ((i_b * N + rows) * H + i_h) * K
     b_x = tl.load(p_x[:, None] + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.)
-    b_eG = tl.exp(tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.))
-    b_rn = tl.load(RN + (i_bh * 2 + (o_r >= BT)) * N + rows, mask=m_r, other=0.)
     b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r & m_top, other=0.).to(tl.float32)
     b_v = tl.load(v + ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :],
                   mask=(m_r & m_top)[:, None] & m_v[None, :], other=0.).to(tl.float32)
-    return b_x, b_eG, b_rn, b_beta, b_v
+    return b_x, b_beta, b_v
+
+
+@triton.jit
+def load_scales(G, RN, rows, n, i_b, i_hv, i_bh, N, HV, BT: tl.constexpr):
+    """The prep's per-row factors for the stacked rows: e^G and the inverse k (or q) norm [2BT]."""
+    o_r = tl.arange(0, 2 * BT)
+    m_r = rows < n
+    b_eG = tl.exp(tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.))
+    b_rn = tl.load(RN + (i_bh * 2 + (o_r >= BT)) * N + rows, mask=m_r, other=0.)
+    return b_eG, b_rn
 
 
 @triton.jit(do_not_specialize=["N", "H", "HV", "NB"])
 def tree_gdn_solve_kernel(
     q, k, v, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB, NPAD,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -78,21 +87,27 @@ def tree_gdn_solve_kernel(
     o_r = tl.arange(0, 2 * BT)
     m_top = o_r < BT
     # the next block's own tiles are read while this block waits on V' (PREFETCH), so each serial
-    # step waits on one round trip, for the V' it re-reads
-    b_x, b_eG, b_rn, b_beta, b_v = load_block(q, k, v, beta, G, RN, o_r % BT, n, i_b, i_h, i_hv,
-                                              i_bh, N, H, HV, K, V, o_k, o_v, m_v, BT)
+    # step waits on one round trip, for the V' it re-reads. With programmatic dependent launch (PDL)
+    # this program may start while the prep still runs: S0 and the first block's input rows are
+    # read before gdc_wait, which then waits for the prep's outputs.
+    b_x, b_beta, b_v = load_rows(q, k, v, beta, o_r % BT, n, i_b, i_h, i_hv, N, H, HV, K, V, o_k,
+                                 o_v, m_v, BT)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    b_eG, b_rn = load_scales(G, RN, o_r % BT, n, i_b, i_hv, i_bh, N, HV, BT)
     for i_t in range(0, tl.cdiv(n, BT)):
         rows = i_t * BT + o_r % BT
         if not PREFETCH:
-            b_x, b_eG, b_rn, b_beta, b_v = load_block(q, k, v, beta, G, RN, rows, n, i_b, i_h,
-                                                      i_hv, i_bh, N, H, HV, K, V, o_k, o_v, m_v, BT)
+            b_x, b_beta, b_v = load_rows(q, k, v, beta, rows, n, i_b, i_h, i_hv, N, H, HV, K, V,
+                                         o_k, o_v, m_v, BT)
+            b_eG, b_rn = load_scales(G, RN, rows, n, i_b, i_hv, i_bh, N, HV, BT)
         b_c = tl.where(m_top, -b_beta, 1.) * b_eG * b_rn
         # [2BT, BV] = [beta (v - e^G rk k S0) ; e^G rq q S0]
         b_y = b_beta[:, None] * b_v + b_c[:, None] * state_dot(b_x, b_sh, b_sl, DOT_PREC)
         if PREFETCH:
-            b_x, b_eG, b_rn, b_beta, b_v = load_block(q, k, v, beta, G, RN, rows + BT, n, i_b,
-                                                      i_h, i_hv, i_bh, N, H, HV, K, V, o_k, o_v,
-                                                      m_v, BT)
+            b_x, b_beta, b_v = load_rows(q, k, v, beta, rows + BT, n, i_b, i_h, i_hv, N, H, HV, K,
+                                         V, o_k, o_v, m_v, BT)
+            b_eG, b_rn = load_scales(G, RN, rows + BT, n, i_b, i_hv, i_bh, N, HV, BT)
         p_blk = (i_bh * NB + i_t) * 2 * BT
         # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
         for i_c in range(0, tl.cdiv(i_t * BT, KC)):
@@ -124,6 +139,12 @@ def tree_gdn_solve_kernel(
         tl.store(o + p_out, b_z.to(o.dtype.element_ty), mask=m_st)
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol) needs sm_90+; the interpreter has none."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def _config(N):
     """Default tuning for trees of up to N nodes (keyword arguments of `tree_gdn_verify`).
 
@@ -138,7 +159,8 @@ def _config(N):
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
-                    prefetch=None, prep_warps=None, prep_maxnreg=None, stages=("prep", "solve")):
+                    prefetch=None, prep_warps=None, prep_maxnreg=None, pdl=None,
+                    stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -164,6 +186,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             its earlier V' (tuning).
         prep_warps, prep_maxnreg: tuning of the prep launch (warps; register cap, 0 for none,
             which trades a few spills for more programs per SM).
+        pdl: launch the solve with programmatic dependent launch, so that it starts (reads S0
+            and its first rows) while the prep runs. Default: on CUDA devices of compute
+            capability >= 9 (Hopper), off elsewhere and under TRITON_INTERPRET.
         stages: which launches run (benchmarks time the prep and the solve apart; a subset
             leaves the outputs undefined).
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
@@ -202,6 +227,10 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     BT, BV = block_t or dflt["block_t"], block_v or dflt["block_v"]
     nw, BC = num_warps or dflt["num_warps"], block_c or dflt["block_c"]
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
+    pdl = pdl_supported(v.device) if pdl is None else bool(pdl)
+    if pdl and not pdl_supported(v.device):
+        raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9 (not under "
+                         f"TRITON_INTERPRET), got {v.device}")
     prep_maxnreg = dflt["prep_maxnreg"] if prep_maxnreg is None else prep_maxnreg
     if BT not in (16, 32, 64):
         raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")
@@ -228,10 +257,11 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         tree_gdn_prep_kernel[(NB + NT, B * HV)](
             q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
             NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
-            num_warps=prep_warps or 4, **extra)
+            PDL=pdl, num_warps=prep_warps or 4, **extra)
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V,
             NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, 128), STATE_V_FIRST=state_v_first,
-            DOT_PREC=precision, PREFETCH=prefetch, num_warps=nw, num_stages=1)
+            DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, num_warps=nw, num_stages=1,
+            **({"launch_pdl": True} if pdl else {}))
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

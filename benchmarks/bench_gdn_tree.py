@@ -57,6 +57,7 @@ def configs_for(n, quick=False):
     return [c for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 
 
+@triton.jit
 def snapshot_recurrent_kernel(q, k, v, g, beta, parent, state, state_idx, o, snaps, scale, n,
                               N: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                               V: tl.constexpr, BV: tl.constexpr):

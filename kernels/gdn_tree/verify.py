@@ -257,7 +257,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         tree_gdn_prep_kernel[(NB + NT, B * HV)](
             q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
             NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
-            PDL=pdl, num_warps=prep_warps or 4, **extra)
+            PDL=pdl, num_warps=prep_warps or 4, **extra, **({"launch_pdl": True} if pdl else {}))
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V,

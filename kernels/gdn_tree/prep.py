@@ -225,10 +225,11 @@ def tree_gdn_prep_kernel(
     USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
-        # the solve may be scheduled once every prep program has started (it waits for our outputs);
-        # this launch may itself start before the previous kernel ends: wait for it before any load
-        tl.extra.cuda.gdc_launch_dependents()
+        # this launch may start before the kernel before it has finished: wait for it (and its
+        # writes, e.g. q/k/v) before any load. Only then let the solve be scheduled: the solve reads
+        # q/k/v and S0 before its own gdc_wait, which covers the prep's outputs only.
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # grid (NB + NT, B * HV): programs 0 .. NB-1 are the diagonal blocks, the NT others the
     # off-diagonal tiles (block t has cdiv(t BT, BC) of them), so no program is empty
     i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)

@@ -89,7 +89,9 @@ def tree_gdn_solve_kernel(
     # the next block's own tiles are read while this block waits on V' (PREFETCH), so each serial
     # step waits on one round trip, for the V' it re-reads. With programmatic dependent launch (PDL)
     # this program may start while the prep still runs: S0 and the first block's input rows are
-    # read before gdc_wait, which then waits for the prep's outputs.
+    # read before gdc_wait, which then waits for the prep's outputs. Reading inputs early is safe
+    # because the prep signals dependents only after its own gdc_wait, i.e. once every kernel that
+    # wrote them has finished.
     b_x, b_beta, b_v = load_rows(q, k, v, beta, o_r % BT, n, i_b, i_h, i_hv, N, H, HV, K, V, o_k,
                                  o_v, m_v, BT)
     if PDL:

@@ -98,6 +98,9 @@ def test_config_errors(tmp_path):
         CollectConfig.from_dict({"target": "t", "drafter": "d", "inputs": ["x"], "output_dir": "o", "bogus": 1})
     with pytest.raises(ValueError, match="missing required keys"):
         CollectConfig.from_dict({"target": "t"})
+    with pytest.raises(ValueError, match="drafter is required"):
+        CollectConfig.from_dict({"target": "t", "inputs": ["x"], "output_dir": "o"})
+    assert CollectConfig.from_dict({"target": "t", "inputs": ["x"], "output_dir": "o", "text_only": True}).drafter is None
     with pytest.raises(ValueError, match="response must be"):
         config(tmp_path, ["x"], response="rewrite")
     a, b = config(tmp_path, ["x"]), config(tmp_path, ["x"], num_actors=4, output_dir="/elsewhere")

@@ -62,8 +62,9 @@ def data(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         run(CollectConfig.from_dict({**base, "output_dir": str(d / "anchors")}), progress=False, use_ray=False)
-        run(CollectConfig.from_dict({**base, "output_dir": str(d / "text"), "text_only": True, "max_new_tokens": 64}),
-            progress=False, use_ray=False)
+        no_drafter = {k: v for k, v in base.items() if k != "drafter"}     # a target that has no drafter
+        run(CollectConfig.from_dict({**no_drafter, "output_dir": str(d / "text"), "text_only": True,
+                                     "max_new_tokens": 64}), progress=False, use_ray=False)
         run(CollectConfig.from_dict({**base, "output_dir": str(d / "nocand"), "store_candidates": False}),
             progress=False, use_ray=False)
     finally:
@@ -217,6 +218,10 @@ def test_dflash_training_beats_random_init_and_saves_zlab_layout(data, tmp_path)
         hf = json.load(f)
     assert hf["architectures"] == ["DFlashDraftModel"] and hf["block_size"] == 8
     assert set(hf["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
+    with open(os.path.join(data, "text", "manifest.json")) as f:                   # collected without a drafter
+        contract = json.load(f)["contract"]
+    assert contract["drafter_id"] == "" and contract["tap_layer_ids"] == []
+    assert hf["dflash_config"]["mask_token_id"] == contract["mask_token_id"] == contract["vocab_size"] - 1
     assert not glob.glob(os.path.join(folder, "*.bin")) and not glob.glob(os.path.join(folder, "*.pt"))
     trained = DFlashDrafter.from_pretrained(folder).eval()
     assert drafter_config(ModelSpec(folder)).to_hf_dict() == trained.cfg.to_hf_dict()   # collect can use it

@@ -25,9 +25,9 @@ class ModelSpec:
 @dataclass
 class CollectConfig:
     target: ModelSpec
-    drafter: ModelSpec
     inputs: list[str]                     # jsonl/json/parquet files or folders of them
     output_dir: str
+    drafter: ModelSpec | None = None      # required unless text_only (drafter training for a target with none)
     input_format: str = "auto"            # prompt: {"prompt": str} | sharegpt: {"conversations": [...]}
     prompt_field: str = "prompt"
     response: str = "regenerate"          # regenerate by the target, or keep the dataset's response
@@ -49,6 +49,9 @@ class CollectConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.drafter is None and not self.text_only:
+            raise ValueError("collect config: drafter is required (a DFlash drafter: its top-K candidates and taps "
+                             "are what the shards hold) unless text_only is true, got none")
         for name in ("target", "drafter"):
             v = getattr(self, name)
             if isinstance(v, str):

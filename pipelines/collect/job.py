@@ -58,7 +58,8 @@ class Featurize:
         self.cfg = CollectConfig.from_dict(cfg)
         self.contract = contract
         self.device = resolve_device(self.cfg)
-        self.target, self.drafter = load_models(self.cfg, self.device)
+        # text-only shards are the rollout's token ids: no model is needed here
+        self.target, self.drafter = (None, None) if self.cfg.text_only else load_models(self.cfg, self.device)
 
     def __call__(self, batch: pa.Table) -> dict:
         row = batch.to_pylist()[0]

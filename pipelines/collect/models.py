@@ -12,6 +12,7 @@ from tfm_runtime.contract import Contract, ContractError, tokenizer_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 TINY_VOCAB = 262
+DEFAULT_BLOCK_SIZE = 16                   # DFlash block (bonus + 15 masks) of drafters trained from text-only shards
 
 
 def _tiny(spec: ModelSpec) -> tuple[str, int] | None:
@@ -82,7 +83,10 @@ def drafter_config(spec: ModelSpec):
 
 def check_pair(cfg: CollectConfig) -> Contract:
     """Raise (before any work) when the drafter cannot serve the target; return the run's contract."""
-    t, d = target_facts(cfg.target), drafter_config(cfg.drafter)
+    t = target_facts(cfg.target)
+    if cfg.drafter is None:
+        return text_only_contract(cfg, t)
+    d = drafter_config(cfg.drafter)
     for name, expected, actual in [("vocab_size", t["vocab_size"], d.vocab_size),
                                    ("target_hidden_size", t["hidden_size"], d.hidden_size),
                                    ("num_target_layers", t["num_layers"], d.num_target_layers)]:
@@ -101,13 +105,29 @@ def check_pair(cfg: CollectConfig) -> Contract:
                     tokenizer_hash=tokenizer_hash(tok))
 
 
+def text_only_contract(cfg: CollectConfig, t: dict) -> Contract:
+    """The contract of text-only shards collected without a drafter (to train one): the target's fields, no
+    drafter id and no taps, and the mask token the new drafter will use: the embedding's last row (an unused
+    padding row for most models; any fixed id works, DFlash learns what it means)."""
+    tok = load_tokenizer(cfg.target)
+    return Contract(target_id=cfg.target.path, target_revision=cfg.target.revision, drafter_id="",
+                    drafter_revision=None, vocab_size=t["vocab_size"], target_hidden_size=t["hidden_size"],
+                    drafter_hidden_size=t["hidden_size"], tap_layer_ids=(), block_size=DEFAULT_BLOCK_SIZE,
+                    mask_token_id=t["vocab_size"] - 1, candidate_pool=min(cfg.candidate_pool, t["vocab_size"]),
+                    lookahead=DEFAULT_BLOCK_SIZE - 1, tokenizer_hash=tokenizer_hash(tok),
+                    extra={"drafter": None})
+
+
 def load_models(cfg: CollectConfig, device: torch.device, with_drafter: bool = True):
     """-> (TargetModel with the drafter's taps, DFlashDrafter or None), on `device`, eval mode."""
     from tfm_runtime.models import DFlashDrafter
     from tfm_runtime.worlds import tiny_world
     dtype = resolve_dtype(cfg.target, device)
-    d_tiny = _tiny(cfg.drafter)
-    if not with_drafter:
+    d_tiny = _tiny(cfg.drafter) if cfg.drafter is not None else None
+    if cfg.drafter is None:
+        assert not with_drafter, "anchor shards need a drafter (CollectConfig checks this)"
+        drafter, taps = None, []
+    elif not with_drafter:
         drafter = None
         taps = drafter_config(cfg.drafter).target_layer_ids          # config only: no drafter weights
     elif d_tiny:

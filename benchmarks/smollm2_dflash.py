@@ -47,11 +47,11 @@ def main(argv=None) -> dict:
     with open(path, "w") as f:
         for p in train_p:
             f.write(json.dumps({"prompt": p}) + "\n")
-    target_spec, random_drafter = smollm2_paths(args.work, args.drafter_layers)     # the contract's shape only
+    target_spec, random_drafter = smollm2_paths(args.work, args.drafter_layers)     # the decoding baseline only
     t0 = time.perf_counter()
     shards = os.path.join(args.work, "text")
     summary_collect = collect(CollectConfig.from_dict({
-        "target": target_spec, "drafter": random_drafter, "inputs": [path], "output_dir": shards,
+        "target": target_spec, "inputs": [path], "output_dir": shards,
         "text_only": True, "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": 256,
         "samples_per_shard": 64, "rollout_batch_size": 32}), progress=True, use_ray=False)
     t_collect = time.perf_counter() - t0

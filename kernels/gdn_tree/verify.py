@@ -13,6 +13,7 @@ The first term is one dot of the stacked [k_t ; q_t] rows with S0 (off the seria
 block's rows are read while the current one waits); the second takes all earlier blocks at once
 ([2BT, NPAD] @ [NPAD, BV]), re-reading V'_<t from the `vnew` stash this program wrote.
 """
+import functools
 import os
 from typing import NamedTuple
 
@@ -141,9 +142,21 @@ def tree_gdn_solve_kernel(
         tl.store(o + p_out, b_z.to(o.dtype.element_ty), mask=m_st)
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_has_pdl() -> bool:
+    """Whether this Triton has gdc_wait / gdc_launch_dependents and the launch_pdl launch option."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return (hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
+            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
+
+
 def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol) needs sm_90+; the interpreter has none."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    """Programmatic dependent launch (griddepcontrol) needs sm_90+ and a Triton that exposes it (3.6 does);
+    the interpreter has none."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1" and _triton_has_pdl()
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
@@ -190,7 +203,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             which trades a few spills for more programs per SM).
         pdl: launch the solve with programmatic dependent launch, so that it starts (reads S0
             and its first rows) while the prep runs. Default: on CUDA devices of compute
-            capability >= 9 (Hopper), off elsewhere and under TRITON_INTERPRET.
+            capability >= 9 (Hopper) with a Triton that supports it, off elsewhere and under
+            TRITON_INTERPRET.
         stages: which launches run (benchmarks time the prep and the solve apart; a subset
             leaves the outputs undefined).
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
@@ -231,8 +245,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
     pdl = pdl_supported(v.device) if pdl is None else bool(pdl)
     if pdl and not pdl_supported(v.device):
-        raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9 (not under "
-                         f"TRITON_INTERPRET), got {v.device}")
+        raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9 and a Triton with "
+                         f"gdc_wait/launch_pdl (not under TRITON_INTERPRET), got {v.device} and Triton "
+                         f"{triton.__version__}")
     prep_maxnreg = dflt["prep_maxnreg"] if prep_maxnreg is None else prep_maxnreg
     if BT not in (16, 32, 64):
         raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")

@@ -34,14 +34,20 @@ HBM = 4.8e12
 GOAL_US = {65: 27.0, 129: 40.0}
 GOAL_SPEEDUP = {64: 5.0, 65: 5.0}
 # configurations timed per tree size: the solve's node block, V tile, warps and prefetch, the
-# prep's column tile and register cap (0: none), and programmatic dependent launch of the solve
-KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "pdl")
+# prep's column tile, register cap (0: none) and split into two launches, and programmatic
+# dependent launch
+KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "prep_split", "pdl")
 CONFIGS = [dict(zip(KEYS, c)) for c in [
-    (16, 16, 4, 16, True, 0, True), (16, 16, 4, 16, True, 128, True), (16, 16, 4, 32, True, 0, True),
-    (16, 16, 4, 32, True, 0, False), (16, 16, 4, 32, True, 128, True), (16, 16, 4, 32, True, 96, True),
-    (16, 16, 4, 32, True, 96, False), (16, 16, 4, 64, True, 0, True), (16, 16, 4, 64, True, 128, True),
-    (16, 16, 4, 32, False, 0, True), (16, 32, 4, 32, True, 0, True), (32, 32, 4, 64, True, 0, True),
-    (32, 32, 4, 64, False, 0, True), (32, 32, 4, 128, False, 0, True), (32, 16, 4, 64, False, 0, True)]]
+    (16, 16, 4, 16, True, 0, False, True), (16, 16, 4, 16, True, 128, False, True),
+    (16, 16, 4, 32, True, 0, False, True), (16, 16, 4, 32, True, 0, False, False),
+    (16, 16, 4, 32, True, 128, False, True), (16, 16, 4, 32, True, 96, False, True),
+    (16, 16, 4, 32, True, 96, False, False), (16, 16, 4, 64, True, 0, False, True),
+    (16, 16, 4, 64, True, 128, False, True), (16, 16, 4, 32, False, 0, False, True),
+    (16, 32, 4, 32, True, 0, False, True), (32, 32, 4, 64, True, 0, False, True),
+    (32, 32, 4, 64, False, 0, False, True), (32, 32, 4, 128, False, 0, False, True),
+    (32, 16, 4, 64, False, 0, False, True),
+    (16, 16, 4, 32, True, 0, True, True), (16, 16, 4, 64, True, 0, True, True),
+    (16, 16, 4, 32, True, 0, True, False), (32, 32, 4, 64, True, 0, True, True)]]
 
 
 def default_config(n):
@@ -50,10 +56,13 @@ def default_config(n):
 
 
 def configs_for(n, quick=False):
-    """The configurations timed for n nodes; `quick`: the default and the same without PDL."""
+    """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
+    prep (with and without the register cap) toggled."""
     if quick:
         d = default_config(n)
-        return [d, dict(d, pdl=not d["pdl"])]
+        out = [d, dict(d, pdl=not d["pdl"]), dict(d, prep_split=not d["prep_split"]),
+               dict(d, prep_split=not d["prep_split"], prep_maxnreg=0)]
+        return [c for i, c in enumerate(out) if c not in out[:i]]
     return [c for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 
 
@@ -291,7 +300,7 @@ def main():
     for flag in ("--skip-check", "--no-fla", "--warm"):
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--quick", action="store_true",
-                    help="time only the default configuration and the same with PDL toggled")
+                    help="time only the default configuration and the same with PDL or prep_split toggled")
     args = ap.parse_args()
     t0 = time.time()
     t_end = t0 + args.budget_s

@@ -161,20 +161,43 @@ def row_terms(q, k, g, beta, anc, rows, m_r, i_b, i_h, i_hv, N, H, HV, K, scale,
 
 
 @triton.jit
-def off_diagonal_tile(q, k, g, beta, anc, n, AP, scale, i_t, i_c, i_b, i_h, i_hv,
+def stashed_row_terms(G, RN, beta, rows, m_r, i_b, i_hv, i_bh, N, HV):
+    """G, rk, rq (times the scale) and beta [R] of rows, read back from what the diagonal programs
+    stored (zero past the node count)."""
+    b_G = tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.)
+    b_rk = tl.load(RN + i_bh * 2 * N + rows, mask=m_r, other=0.)
+    b_rq = tl.load(RN + (i_bh * 2 + 1) * N + rows, mask=m_r, other=0.)
+    b_beta = tl.load(beta + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.).to(tl.float32)
+    return b_G, b_rk, b_rq, b_beta
+
+
+@triton.jit
+def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
                       rows, m_N, p_blk, N, H, HV, K, NPAD, NW: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BC: tl.constexpr, USE_L2NORM: tl.constexpr,
-                      DOT_PREC: tl.constexpr):
-    """AP rows of block t over columns c BC .. c BC + BC - 1 (nodes below the block)."""
+                      DOT_PREC: tl.constexpr, FROM_STASH: tl.constexpr):
+    """AP rows of block t over columns c BC .. c BC + BC - 1 (nodes below the block).
+
+    G and the inverse norms are derived here from g, the ancestor words and q/k, or (FROM_STASH)
+    read back from G and RN, written by the diagonal programs of an earlier launch.
+    """
     o_i = tl.arange(0, BT)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < i_t * BT
-    b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
-        q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
-        USE_L2NORM)
-    b_kc = load_rows(k, o_c, m_c, i_b, i_h, N, H, K, BK)
-    b_rkc = inv_norm(k, o_c, m_c, i_b, i_h, N, H, K, BK, USE_L2NORM)
-    b_Gc = path_decay(g, anc, o_c, m_c, i_b, i_hv, N, HV, NW, BC)
+    if FROM_STASH:
+        b_k = load_rows(k, rows, m_N, i_b, i_h, N, H, K, BK)
+        b_q = load_rows(q, rows, m_N, i_b, i_h, N, H, K, BK)
+        b_G, b_rk, b_rq, b_beta = stashed_row_terms(G, RN, beta, rows, m_N, i_b, i_hv, i_bh, N, HV)
+        b_Gc, b_rkc, _, _ = stashed_row_terms(G, RN, beta, o_c, m_c, i_b, i_hv, i_bh, N, HV)
+        # (read last: ptxas then needs 80 registers, not 126)
+        b_kc = load_rows(k, o_c, m_c, i_b, i_h, N, H, K, BK)
+    else:
+        b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
+            q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
+            USE_L2NORM)
+        b_kc = load_rows(k, o_c, m_c, i_b, i_h, N, H, K, BK)
+        b_rkc = inv_norm(k, o_c, m_c, i_b, i_h, N, H, K, BK, USE_L2NORM)
+        b_Gc = path_decay(g, anc, o_c, m_c, i_b, i_hv, N, HV, NW, BC)
     b_on = anc_tile(anc, rows, o_c, m_N, i_b, N, NW) & m_c[None, :]
     # where (not a product) keeps non-finite padding inputs out
     b_on = b_on & (rows < n)[:, None]
@@ -222,17 +245,21 @@ def diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h, i_hv,
 def tree_gdn_prep_kernel(
     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
     NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
-    USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+    USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr, PART: tl.constexpr,
 ):
     if PDL:
         # this launch may start before the kernel before it has finished: wait for it (and its
-        # writes, e.g. q/k/v) before any load. Only then let the solve be scheduled: the solve reads
-        # q/k/v and S0 before its own gdc_wait, which covers the prep's outputs only.
+        # writes, e.g. q/k/v) before any load. Only then let the next launch be scheduled: the solve
+        # reads q/k/v and S0 before its own gdc_wait, which covers its predecessor's outputs only.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    # grid (NB + NT, B * HV): programs 0 .. NB-1 are the diagonal blocks, the NT others the
-    # off-diagonal tiles (block t has cdiv(t BT, BC) of them), so no program is empty
+    # programs 0 .. NB-1 are the diagonal blocks, the NT others the off-diagonal tiles (block t
+    # has cdiv(t BT, BC) of them), so no program is empty. PART 0: all in one grid (NB + NT,
+    # B * HV); PART 1: the diagonal programs alone (NB, B * HV); PART 2: the tiles alone
+    # (NT, B * HV), reading G and the norms that a PART 1 launch stored.
     i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    if PART == 2:
+        i_p += NB
     i_t, i_c, r = i_p, 0, i_p - NB
     for s in range(1, NB):
         cnt = tl.cdiv(s * BT, BC)
@@ -249,10 +276,17 @@ def tree_gdn_prep_kernel(
     i_s = tl.load(state_idx + i_b)
     n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
     p_blk = (i_bh * NB + i_t) * 2 * BT
-    if i_p >= NB:
-        off_diagonal_tile(q, k, g, beta, anc, n, AP, scale, i_t, i_c, i_b, i_h,
-                          i_hv, rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
-                          DOT_PREC)
+    if PART == 1:
+        diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h,
+                       i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC)
+    elif PART == 2:
+        off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
+                          rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
+                          DOT_PREC, True)
+    elif i_p >= NB:
+        off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
+                          rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
+                          DOT_PREC, False)
     else:
         diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h,
                        i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC)

@@ -168,13 +168,13 @@ def _config(N):
     (block 32 was 0-10% slower, 64 2-3x slower); capping the prep at 96 registers gained 1% at n = 129.
     """
     return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True,
-                prep_maxnreg=0 if N <= 96 else 96)
+                prep_maxnreg=0 if N <= 96 else 96, prep_split=False)
 
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
-                    prefetch=None, prep_warps=None, prep_maxnreg=None, pdl=None,
+                    prefetch=None, prep_warps=None, prep_maxnreg=None, prep_split=None, pdl=None,
                     stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
@@ -201,6 +201,10 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             its earlier V' (tuning).
         prep_warps, prep_maxnreg: tuning of the prep launch (warps; register cap, 0 for none,
             which trades a few spills for more programs per SM).
+        prep_split: run the prep as two launches, the diagonal programs (which store G and the
+            inverse norms) and then the off-diagonal tiles, which read them back instead of
+            re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,
+            one more launch). Default: off (not yet timed on a GPU).
         pdl: launch the solve with programmatic dependent launch, so that it starts (reads S0
             and its first rows) while the prep runs. Default: on CUDA devices of compute
             capability >= 9 (Hopper) with a Triton that supports it, off elsewhere and under
@@ -243,6 +247,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     BT, BV = block_t or dflt["block_t"], block_v or dflt["block_v"]
     nw, BC = num_warps or dflt["num_warps"], block_c or dflt["block_c"]
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
+    prep_split = dflt["prep_split"] if prep_split is None else prep_split
     pdl = pdl_supported(v.device) if pdl is None else bool(pdl)
     if pdl and not pdl_supported(v.device):
         raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9 and a Triton with "
@@ -270,11 +275,17 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     # off-diagonal tiles: block t has cdiv(t BT, BC) of BC columns
     NT = sum(triton.cdiv(t * BT, BC) for t in range(1, NB))
     if "prep" in stages:
-        extra = {"maxnreg": prep_maxnreg} if prep_maxnreg else {}
-        tree_gdn_prep_kernel[(NB + NT, B * HV)](
-            q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
-            NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm, DOT_PREC=precision,
-            PDL=pdl, num_warps=prep_warps or 4, **extra, **({"launch_pdl": True} if pdl else {}))
+        extra = dict({"maxnreg": prep_maxnreg} if prep_maxnreg else {},
+                     **({"launch_pdl": True} if pdl else {}))
+        # one launch of NB diagonal + NT tile programs, or (prep_split) the diagonal programs,
+        # then the tiles reading the G and norms they stored
+        parts = [(1, NB), (2, NT)] if prep_split else [(0, NB + NT)]
+        for part, programs in parts:
+            if programs:
+                tree_gdn_prep_kernel[(programs, B * HV)](
+                    q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
+                    NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
+                    DOT_PREC=precision, PDL=pdl, PART=part, num_warps=prep_warps or 4, **extra)
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V,

@@ -14,7 +14,11 @@ Reported, over all anchors (one per response position with L positions after it)
   top_n_coverage          share of all candidate slots whose token is among the N most frequent candidates
                           (N = 5,120: the bf16 5120-wide LM-head rows that fit in 50 MiB, the H200's L2)
 
-    python -m benchmarks.candidate_overlap --out benchmarks/results/candidate_overlap_smollm2.json
+    python -m benchmarks.candidate_overlap --out benchmarks/results/candidate_overlap_smollm2.json \
+        --save-sets benchmarks/data/smollm2_top512.npz
+
+`--save-sets` keeps the top-K ids (uint16, one [T, K] block per prompt) for `train_bench.py --candidates
+replay`, which draws training rows' candidate sets from them.
 """
 from __future__ import annotations
 
@@ -42,6 +46,25 @@ def topk_sets(model, prompts: list[list[int]], new_tokens: int, K: int, eos: int
             logits = model(seq).logits[0, len(p) - 1:-1]                         # predicts the response tokens
         out.append(logits.topk(K, dim=-1).indices.int().numpy())
     return out
+
+
+def save_sets(path: str, sets: list[np.ndarray], vocab: int) -> None:
+    """Atomically write the per-prompt [T, K] id blocks, each position's ids sorted and stored as uint16
+    deltas (they compress to ~1.4 MB for 2,300 positions x 512), plus prompt offsets."""
+    assert vocab <= 1 << 16, vocab
+    ids = np.sort(np.concatenate(sets), axis=1).astype(np.int64)
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(tmp, sorted_id_deltas=np.diff(ids, axis=1, prepend=0).astype(np.uint16),
+                        vocab=np.int64(vocab), offsets=np.cumsum([0] + [len(s) for s in sets]).astype(np.int64))
+    os.replace(tmp, path)
+
+
+def load_sets(path: str) -> tuple[list[np.ndarray], int]:
+    """-> (per-prompt [T, K] int64 id blocks, each row sorted, and the vocabulary they index)."""
+    with np.load(path) as f:
+        ids = np.cumsum(f["sorted_id_deltas"].astype(np.int64), axis=1)
+        off, vocab = f["offsets"], int(f["vocab"])
+    return [ids[a:b] for a, b in zip(off[:-1], off[1:])], vocab
 
 
 def overlap_stats(sets: list[np.ndarray], L: int, K: int, seed: int = 0) -> dict:
@@ -72,6 +95,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--lookahead", type=int, default=15, help="L: depths per row")
     ap.add_argument("--pool", type=int, default=512, help="K: candidates per depth")
     ap.add_argument("--out", help="write the JSON result here")
+    ap.add_argument("--save-sets", help="write the top-K ids here (.npz: ids [sum T, K] uint16, offsets [n + 1])")
     args = ap.parse_args(argv)
 
     from pipelines.collect.config import ModelSpec
@@ -87,6 +111,8 @@ def main(argv=None) -> dict:
     target = load_target(spec, [], torch.device("cpu"), torch.float32)
     sets = topk_sets(target.model, d["prompts"][:args.prompts], args.new_tokens, args.pool, d["eos_token_id"])
     stats = overlap_stats(sets, args.lookahead, args.pool)
+    if args.save_sets:
+        save_sets(args.save_sets, sets, int(target.vocab_size))
     result = {"what": "overlap of real candidate sets (SmolLM2-135M-Instruct's own top-K at L consecutive positions "
                       "of its greedy continuations of the bundled prompts), as a stand-in for a trained drafter's "
                       "top-K per depth",

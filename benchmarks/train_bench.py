@@ -24,11 +24,34 @@ PRESETS = {
 }
 
 
-def synthetic_rows(n: int, p: dict, seed: int, device) -> dict[str, torch.Tensor]:
-    """n anchor rows; a quarter of the target's top-k overlaps the candidates, as in real shards."""
+def replay_candidates(n: int, L: int, K: int, V: int, seed: int) -> torch.Tensor:
+    """[n, L, K] candidate ids with the overlap of real ones: each row is a random anchor's L consecutive
+    top-K sets of SmolLM2-135M (benchmarks/data/smollm2_top512.npz, see candidate_overlap.py), its token ids
+    mapped into [0, V) by a fixed random injection (the preset's vocabulary is larger)."""
+    import numpy as np
+
+    from benchmarks.candidate_overlap import DATA, load_sets
+    sets, v_src = load_sets(os.path.join(DATA, "smollm2_top512.npz"))
+    if K > sets[0].shape[1] or V < v_src:
+        raise SystemExit(f"--candidates replay holds {sets[0].shape[1]} candidates over {v_src} tokens; "
+                         f"the preset wants K={K} over V={V}")
+    rng = np.random.default_rng(seed)
+    inject = np.random.default_rng(0).permutation(V)[:v_src]
+    anchors = [(i, a) for i, s in enumerate(sets) for a in range(len(s) - L + 1)]
+    pick = rng.choice(len(anchors), n)
+    rows = np.stack([sets[anchors[j][0]][anchors[j][1]:anchors[j][1] + L, :K] for j in pick])
+    return torch.from_numpy(inject[rows])
+
+
+def synthetic_rows(n: int, p: dict, seed: int, device, candidates: str = "uniform") -> dict[str, torch.Tensor]:
+    """n anchor rows; a quarter of the target's top-k overlaps the candidates, as in real shards. Candidates are
+    uniform over the vocabulary (no reuse: the worst case for caches) or `replay`ed real sets."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     L, K, k, V, H = p["L"], p["K"], p["k"], p["vocab"], p["d_model"]
-    cand = torch.randint(0, V, (n, L, K), generator=g)
+    if candidates == "replay":
+        cand = replay_candidates(n, L, K, V, seed)
+    else:
+        cand = torch.randint(0, V, (n, L, K), generator=g)
     topk = torch.randint(0, V, (n, L, k), generator=g)
     topk[..., : k // 4] = cand[..., : k // 4]
     rows = {"h_final": torch.randn(n, H, generator=g), "dflash_hidden": torch.randn(n, L, H, generator=g),
@@ -55,30 +78,40 @@ def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, iters: int =
     return 2 * n ** 3 * iters / (time.perf_counter() - t) / 1e12
 
 
-def score_time_ms(rows: int, p: dict, lm_head: torch.Tensor, torch_scores: bool, iters: int = 10) -> dict:
-    """Forward + backward of the candidate scoring alone (rows x L queries over K LM-head rows), against its
-    memory floor: both passes read rows*L*K*d LM-head elements once (bf16, 4.8 TB/s)."""
+def score_time_ms(cand: torch.Tensor, p: dict, lm_head: torch.Tensor, torch_scores: bool, group_rows: int = 8,
+                  iters: int = 10) -> dict:
+    """Forward + backward of the candidate scoring alone for candidates [rows, L, K] (rows x L queries), against
+    the gather's memory floor (both passes read rows*L*K*d LM-head elements once, bf16, 4.8 TB/s): the gather
+    kernels (or weight[cand] + bmm with `torch_scores`), and the grouped kernels with `group_rows` rows per
+    group, whose floor is 2 * (distinct ids per group) * d elements."""
     from kernels.candidate_logits import candidate_log_probs
-    M, K, d, dev = rows * p["L"], p["K"], p["d_model"], lm_head.device
+    from kernels.candidate_logits.grouped import group_union, grouped_candidate_log_probs
+    rows, L, K = cand.shape
+    M, d, dev = rows * L, p["d_model"], lm_head.device
     q = torch.randn(M, d, device=dev, dtype=lm_head.dtype, requires_grad=True)
-    cand = torch.randint(0, p["vocab"], (M, K), device=dev)
+    cand = cand.reshape(M, K).to(dev)
     bias = torch.randn(M, K, device=dev)
 
-    def once():
-        if torch_scores:
-            lp = torch.log_softmax(bias + (lm_head[cand] @ q.unsqueeze(-1)).squeeze(-1).float(), -1)
-        else:
-            lp = candidate_log_probs(q, lm_head, cand, bias=bias)
-        lp.sum().backward()
-    for _ in range(2):
-        once()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        once()
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t) / iters * 1e3
-    return {"ms": ms, "floor_ms": 2 * M * K * d * lm_head.element_size() / 4.8e12 * 1e3}
+    def timed(fn):
+        for _ in range(2):
+            fn().sum().backward()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn().sum().backward()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / iters * 1e3
+    if torch_scores:
+        ms = timed(lambda: torch.log_softmax(bias + (lm_head[cand] @ q.unsqueeze(-1)).squeeze(-1).float(), -1))
+    else:
+        ms = timed(lambda: candidate_log_probs(q, lm_head, cand, bias=bias))
+    G = group_rows * L
+    union, _ = group_union(cand, G, lm_head.shape[0])
+    distinct = int((union >= 0).sum())
+    grouped = timed(lambda: grouped_candidate_log_probs(q, lm_head, cand, G, bias=bias))
+    return {"ms": ms, "floor_ms": 2 * M * K * d * lm_head.element_size() / 4.8e12 * 1e3,
+            "grouped": {"rows_per_group": group_rows, "ms": grouped, "distinct_fraction": distinct / (M * K),
+                        "floor_ms": 2 * distinct * d * lm_head.element_size() / 4.8e12 * 1e3}}
 
 
 def _sync(device) -> None:
@@ -96,6 +129,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--loss", choices=["kl", "ce"], default="kl")
     ap.add_argument("--torch-scores", action="store_true",
                     help="score candidates through weight[cand] + bmm instead of the Triton gather kernels")
+    ap.add_argument("--candidates", choices=["uniform", "replay"], default="uniform",
+                    help="candidate ids uniform over the vocabulary, or real overlapping sets replayed from "
+                         "benchmarks/data/smollm2_top512.npz")
+    ap.add_argument("--score-group", type=int, default=8, help="rows per group of the grouped scoring timed apart")
     ap.add_argument("--compile", action="store_true", help="torch.compile the objective's forward (as the train config's compile: auto does on GPU)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of 3 profiled steps (rank 0)")
     ap.add_argument("--out", help="write the JSON result here (rank 0)")
@@ -139,7 +176,8 @@ def main(argv=None) -> dict:
               "train_batch_size": args.global_batch, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": cuda}, "steps_per_print": 10 ** 9}
     engine, _, _, _ = deepspeed.initialize(model=obj, optimizer=opt, config=ds_cfg, dist_init_required=False)
-    pool = [synthetic_rows(args.global_batch, p, seed=s, device=device) for s in range(4)]
+    pool = [synthetic_rows(args.global_batch, p, seed=s, device=device, candidates=args.candidates)
+            for s in range(4)]
     for b in pool:
         for name in ("h_final", "dflash_hidden", "cand_logits"):
             b[name] = b[name].to(dtype)
@@ -177,10 +215,12 @@ def main(argv=None) -> dict:
     peak = matmul_peak_tflops(device, dtype)                                         # bf16 on GPU, fp32 on CPU
     peak_mem = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
     # where the step goes: the candidate scoring alone, on this rank's rows (GPU only)
-    score = score_time_ms(micro, p, lm_head, args.torch_scores) if cuda else None
+    score = (score_time_ms(pool[0]["cand_ids"][:micro], p, lm_head, args.torch_scores, args.score_group)
+             if cuda else None)
     result = {"preset": args.preset, "weaver_params": sum(q.numel() for q in obj.weaver.parameters()),
               "world_size": world, "global_batch": args.global_batch, "micro_batch_per_rank": micro,
-              "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32", "candidate_scores": scores, "compiled": args.compile,
+              "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32", "candidate_scores": scores,
+              "candidates": args.candidates, "compiled": args.compile,
               "median_step_s": step_s, "samples_per_s": args.global_batch / step_s,
               "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),
               "flops_per_sample": flops_per_row(wcfg), "candidate_scoring_fwd_bwd": score,

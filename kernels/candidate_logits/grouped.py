@@ -1,0 +1,197 @@
+"""Candidate log-probs with LM-head rows shared across a group of query rows (training, experimental).
+
+`candidate_log_probs` gathers weight[cand[m, c]] once per (query m, candidate c): M*Kc*Dm elements each way.
+Real candidate sets overlap: a Weaver row's 15 depths, and neighbouring rows, propose many of the same tokens
+(benchmarks/results/candidate_overlap_smollm2.json: 8 rows x 15 depths name 23% distinct tokens). Here the
+queries are cut into groups of G consecutive rows; each group's distinct candidate ids (its union, U of them)
+are read once and scored against all G queries with a tensor-core dot:
+
+    S[g, q, u]      = hidden[g G + q] . weight[union[g, u]]                   (`grouped_scores_kernel`)
+    logits[m, c]    = S[m // G, m % G, pos[m, c]] * inv_t + bias[m, c]        (pos: index of cand[m, c] in the union)
+    logprobs        = log_softmax over the valid candidates of each row, as `candidate_log_probs`
+    dS[g, q, u]     = inv_t * sum_{c: pos[m, c] = u} dlogits[m, c]
+    dhidden[g G + q] = sum_u dS[g, q, u] weight[union[g, u]]                  (`grouped_hidden_grad_kernel`)
+
+Weight traffic per pass: NG*U*Dm instead of M*Kc*Dm; the price is a dense fp32 [G, U] score (and gradient)
+scratch per group, 4*G*U bytes, processed in chunks of groups. Untimed on a GPU so far (see the README).
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_scores_kernel(hidden, weight, union, scores, s_hm, s_wv, M, U, Dm, V,
+                          G: tl.constexpr, GQ: tl.constexpr, BU: tl.constexpr, BD: tl.constexpr,
+                          DOT_PREC: tl.constexpr):
+    """scores[g, q, u-block] = hidden[g G + q] . weight[union[g, u]] for q < G (fp32, 0 at pads).
+
+    Grid (groups, cdiv(U, BU)). hidden [M, Dm]; weight [V, Dm]; union int64 [groups, U] (-1 = none);
+    scores fp32 [groups, GQ, U] with GQ >= G a power of 2 >= 16.
+    """
+    i_g, i_u = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_q = tl.arange(0, GQ)
+    rows = i_g * G + o_q
+    m_q = (o_q < G) & (rows < M)
+    o_u = i_u * BU + tl.arange(0, BU)
+    ids = tl.load(union + i_g * U + o_u, mask=o_u < U, other=-1)
+    valid = (ids >= 0) & (ids < V)
+    p_w = weight + tl.where(valid, ids, 0)[:, None] * s_wv
+    acc = tl.zeros([GQ, BU], dtype=tl.float32)
+    for d0 in range(0, Dm, BD):
+        o_d = d0 + tl.arange(0, BD)
+        m_d = o_d < Dm
+        b_h = tl.load(hidden + rows[:, None] * s_hm + o_d[None, :], mask=m_q[:, None] & m_d[None, :],
+                      other=0.)                                                          # [GQ, BD]
+        b_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.)  # [BU, BD]
+        acc += tl.dot(b_h, tl.trans(b_w), input_precision=DOT_PREC)
+    tl.store(scores + (i_g * GQ + o_q[:, None]) * U + o_u[None, :], acc, mask=(o_u < U)[None, :])
+
+
+@triton.jit
+def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, V,
+                               G: tl.constexpr, GQ: tl.constexpr, BU: tl.constexpr, BD: tl.constexpr,
+                               DOT_PREC: tl.constexpr):
+    """dhidden[g G + q, d-block] = sum_u dscores[g, q, u] weight[union[g, u], d-block].
+
+    Grid (groups, cdiv(Dm, BD)). dscores fp32 [groups, GQ, U]; dhidden [M, Dm].
+    """
+    i_g, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_q = tl.arange(0, GQ)
+    rows = i_g * G + o_q
+    m_q = (o_q < G) & (rows < M)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < Dm
+    acc = tl.zeros([GQ, BD], dtype=tl.float32)
+    for u0 in range(0, U, BU):
+        o_u = u0 + tl.arange(0, BU)
+        ids = tl.load(union + i_g * U + o_u, mask=o_u < U, other=-1)
+        valid = (ids >= 0) & (ids < V)
+        b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
+                      mask=valid[:, None] & m_d[None, :], other=0.).to(tl.float32)      # [BU, BD]
+        b_s = tl.load(dscores + (i_g * GQ + o_q[:, None]) * U + o_u[None, :],
+                      mask=(o_u < U)[None, :], other=0.)                                # [GQ, BU]
+        acc += tl.dot(b_s, b_w, input_precision=DOT_PREC)
+    tl.store(dhidden + rows[:, None] * Dm + o_d[None, :], acc.to(dhidden.dtype.element_ty),
+             mask=m_q[:, None] & m_d[None, :])
+
+
+def group_union(cand: torch.Tensor, group: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct candidate ids of each group of `group` consecutive rows.
+
+    cand int [M, Kc] (ids < 0 or >= vocab are pads) -> union int64 [ceil(M / group), U] (sorted ids, -1 past
+    the group's count; U = the largest count) and pos int64 [M, Kc] (index of cand[m, c] in its group's union,
+    -1 at pads). One sort of all (group, id) keys; syncs once for U.
+    """
+    M, Kc = cand.shape
+    NG = triton.cdiv(M, group)
+    valid = (cand >= 0) & (cand < vocab)
+    g_of_row = torch.arange(M, device=cand.device) // group
+    key = (g_of_row[:, None] * (vocab + 1) + torch.where(valid, cand.long(), vocab)).flatten()
+    uniq, inv = torch.unique(key, sorted=True, return_inverse=True)
+    ug, ut = uniq // (vocab + 1), uniq % (vocab + 1)
+    counts = torch.bincount(ug, minlength=NG)
+    starts = torch.cumsum(counts, 0) - counts
+    local = torch.arange(uniq.numel(), device=cand.device) - starts[ug]
+    U = max(1, int(counts.max()))
+    union = torch.full((NG, U), -1, dtype=torch.long, device=cand.device)
+    union[ug, local] = torch.where(ut < vocab, ut, -1)
+    pos = torch.where(valid, local[inv].view(M, Kc), -1)
+    return union, pos
+
+
+def _config(U: int, Dm: int, group: int):
+    """(GQ, BU, BD, warps): query rows padded to a power of 2 >= 16, union and hidden blocks of up to 64;
+    8 warps from 64 query rows up (ptxas -v for sm_90: no spills at GQ = 128, BU = BD = 64)."""
+    GQ = max(16, triton.next_power_of_2(group))
+    BU, BD = min(64, max(16, triton.next_power_of_2(U))), min(64, max(16, triton.next_power_of_2(Dm)))
+    return GQ, BU, BD, 8 if GQ >= 64 else 4
+
+
+class _GroupedCandidateLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, cand, bias, inv_t, group, precision, chunk_bytes):
+        M, Kc = cand.shape
+        Dm, V = weight.shape[1], weight.shape[0]
+        union, pos = group_union(cand, group, V)
+        NG, U = union.shape
+        GQ, BU, BD, nw = _config(U, Dm, group)
+        chunk = max(1, chunk_bytes // (GQ * U * 4))                          # groups per scratch chunk
+        logits = torch.empty(M, Kc, dtype=torch.float32, device=hidden.device)
+        for g0 in range(0, NG, chunk):
+            g1 = min(NG, g0 + chunk)
+            r0, r1 = g0 * group, min(M, g1 * group)
+            S = torch.empty(g1 - g0, GQ, U, dtype=torch.float32, device=hidden.device)
+            grouped_scores_kernel[(g1 - g0, triton.cdiv(U, BU))](
+                hidden[r0:r1], weight, union[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0, U, Dm, V,
+                G=group, GQ=GQ, BU=BU, BD=BD, DOT_PREC=precision, num_warps=nw)
+            q = torch.arange(r1 - r0, device=hidden.device)
+            rowsel = S[q // group, q % group]                                # [r1 - r0, U]
+            logits[r0:r1] = rowsel.gather(1, pos[r0:r1].clamp(min=0))
+        logits = logits * (1.0 if inv_t is None else inv_t)
+        if bias is not None:
+            logits = logits + bias.float()
+        logits = logits.masked_fill(pos < 0, float("-inf"))
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        logprobs = torch.where(pos >= 0, logits - torch.where(torch.isfinite(lse), lse, 0.0), float("-inf"))
+        ctx.save_for_backward(weight, union, pos, logprobs)
+        ctx.inv_t, ctx.hidden_dtype, ctx.group = inv_t, hidden.dtype, group
+        ctx.cfg, ctx.chunk, ctx.precision = (GQ, BU, BD, nw), chunk, precision
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, g):
+        weight, union, pos, logprobs = ctx.saved_tensors
+        valid = pos >= 0
+        g = torch.where(valid, g.float(), 0.0)
+        dlogits = g - torch.exp(logprobs) * g.sum(-1, keepdim=True)           # exp(-inf) = 0 at pads
+        dhidden = None
+        if ctx.needs_input_grad[0]:
+            (GQ, BU, BD, nw), group, chunk = ctx.cfg, ctx.group, ctx.chunk
+            M, Dm, V = pos.shape[0], weight.shape[1], weight.shape[0]
+            NG, U = union.shape
+            inv_t = 1.0 if ctx.inv_t is None else ctx.inv_t
+            dhidden = torch.empty(M, Dm, dtype=ctx.hidden_dtype, device=weight.device)
+            for g0 in range(0, NG, chunk):
+                g1 = min(NG, g0 + chunk)
+                r0, r1 = g0 * group, min(M, g1 * group)
+                q = torch.arange(r1 - r0, device=weight.device)
+                dS = torch.zeros(g1 - g0, GQ, U, dtype=torch.float32, device=weight.device)
+                flat = dS.view(-1, U)
+                flat.index_put_((((q // group) * GQ + q % group)[:, None].expand_as(pos[r0:r1]),
+                                 pos[r0:r1].clamp(min=0)),
+                                torch.where(valid[r0:r1], dlogits[r0:r1] * inv_t, 0.0), accumulate=True)
+                grouped_hidden_grad_kernel[(g1 - g0, triton.cdiv(Dm, BD))](
+                    dS, weight, union[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
+                    G=group, GQ=GQ, BU=BU, BD=BD, DOT_PREC=ctx.precision, num_warps=nw)
+        dbias = dlogits if ctx.needs_input_grad[3] else None
+        return dhidden, None, None, dbias, None, None, None, None
+
+
+def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor, group: int,
+                                bias: torch.Tensor | None = None, inv_temperature: float | None = None,
+                                precision: str = "tf32", chunk_bytes: int = 1 << 29) -> torch.Tensor:
+    r"""`candidate_log_probs` with each group's distinct LM-head rows read once (gradients for hidden, bias).
+
+    Args:
+        hidden: [M, Dm] fp16 / bf16 / fp32, one query per row (Weaver: row-major [anchors * L, Dm]).
+        weight: [Vocab, Dm], frozen LM-head rows (must not require grad).
+        cand: int [M, Kc]; ids < 0 or >= Vocab are pads (-inf, no gradient). Duplicates are separate entries.
+        group: query rows per group, 1 to 128 (Weaver: anchors per group x L).
+        bias: fp32 [M, Kc] or None, added after the temperature.  inv_temperature: None (= 1) or a float.
+        precision: `tl.dot` input precision for fp32 operands, "tf32" | "ieee" (16-bit inputs are exact).
+        chunk_bytes: bound on the fp32 score scratch (groups are processed in chunks).
+    Returns:
+        logprobs: fp32 [M, Kc].
+    """
+    if weight.requires_grad:
+        raise ValueError("grouped_candidate_log_probs treats weight as frozen, but weight.requires_grad is True")
+    if not 1 <= group <= 128:
+        raise ValueError(f"group must be 1..128 query rows, got {group}")
+    if hidden.dim() != 2 or cand.dim() != 2 or cand.shape[0] != hidden.shape[0] or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected hidden [M, Dm], weight [V, Dm], cand [M, Kc], got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(cand.shape)}")
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    return _GroupedCandidateLogProbs.apply(hidden, weight, cand, bias, inv_temperature, group, precision,
+                                           chunk_bytes)

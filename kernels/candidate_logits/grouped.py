@@ -126,8 +126,8 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
                 hidden[r0:r1], weight, union[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0, U, Dm, V,
                 G=group, GQ=GQ, BU=BU, BD=BD, DOT_PREC=precision, num_warps=nw)
             q = torch.arange(r1 - r0, device=hidden.device)
-            rowsel = S[q // group, q % group]                                # [r1 - r0, U]
-            logits[r0:r1] = rowsel.gather(1, pos[r0:r1].clamp(min=0))
+            srow = (q // group) * GQ + q % group                             # row of S.view(-1, U) per query
+            logits[r0:r1] = S.view(-1)[srow[:, None] * U + pos[r0:r1].clamp(min=0)]
         logits = logits * (1.0 if inv_t is None else inv_t)
         if bias is not None:
             logits = logits + bias.float()

@@ -132,7 +132,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--candidates", choices=["uniform", "replay"], default="uniform",
                     help="candidate ids uniform over the vocabulary, or real overlapping sets replayed from "
                          "benchmarks/data/smollm2_top512.npz")
-    ap.add_argument("--score-group", type=int, default=8, help="rows per group of the grouped scoring timed apart")
+    ap.add_argument("--score-group", type=int, default=8, help="rows per group of the grouped scoring")
+    ap.add_argument("--step-scoring", choices=["gather", "grouped"], default="gather",
+                    help="candidate scoring inside the training step: per-candidate gathers, or grouped "
+                         "(--score-group rows per group; the train config's score_group_rows)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the objective's forward (as the train config's compile: auto does on GPU)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of 3 profiled steps (rank 0)")
     ap.add_argument("--out", help="write the JSON result here (rank 0)")
@@ -154,7 +157,9 @@ def main(argv=None) -> dict:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if cuda else torch.float32
     Weaver.use_candidate_kernels = not args.torch_scores
-    scores = "torch weight[cand] + bmm" if args.torch_scores or not cuda else "triton gather kernels"
+    scores = ("torch weight[cand] + bmm" if args.torch_scores or not cuda else
+              f"triton grouped kernels ({args.score_group} rows per group)" if args.step_scoring == "grouped" else
+              "triton gather kernels")
     p = PRESETS[args.preset]
     if p["weaver"] is None:
         wcfg = WeaverConfig.qwen36_27b()
@@ -169,6 +174,8 @@ def main(argv=None) -> dict:
     embed = torch.randn(p["vocab"], p["d_model"], generator=g, device=device).to(dtype) * 0.02
     lm_head = torch.randn(p["vocab"], p["d_model"], generator=g, device=device).to(dtype) * 0.02
     obj = WeaverObjective(initial_weaver(wcfg, 0), embed, lm_head, kind=args.loss, weights=depth_weights(p["L"], None))
+    if args.step_scoring == "grouped":
+        obj.weaver.candidate_group_rows = args.score_group
     if args.compile:
         obj.forward = torch.compile(obj.forward)
     opt = torch.optim.AdamW(obj.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
@@ -220,7 +227,7 @@ def main(argv=None) -> dict:
     result = {"preset": args.preset, "weaver_params": sum(q.numel() for q in obj.weaver.parameters()),
               "world_size": world, "global_batch": args.global_batch, "micro_batch_per_rank": micro,
               "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32", "candidate_scores": scores,
-              "candidates": args.candidates, "compiled": args.compile,
+              "candidates": args.candidates, "step_scoring": args.step_scoring, "compiled": args.compile,
               "median_step_s": step_s, "samples_per_s": args.global_batch / step_s,
               "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),
               "flops_per_sample": flops_per_row(wcfg), "candidate_scoring_fwd_bwd": score,

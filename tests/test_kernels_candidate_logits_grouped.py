@@ -115,3 +115,23 @@ def test_gpu_bf16_training_shape_matches_the_gather_kernel():
     assert (lp[fin] - lp_g[fin]).abs().max() < 1e-3
     assert (dh.float() - dh_g.float()).norm() / dh_g.float().norm() < 1e-2
     assert (db - db_g).abs().max() < 1e-3
+
+
+@gpu_only
+def test_weaver_score_grouped_matches_gather():
+    """Weaver.score with candidate_group_rows (training's score_group_rows) against the gather kernels."""
+    from tfm_runtime.models.weaver import Weaver, WeaverConfig
+    cfg = WeaverConfig(d_model=256, d_embed=256, d_rank=64, num_layers=1, num_heads=2, mlp_dim=128, lookahead=3,
+                       candidate_pool=32)
+    torch.manual_seed(0)
+    w = Weaver(cfg).cuda()
+    with torch.no_grad():
+        w.lm_head_query_in.weight.normal_(0, 0.05)
+    head = torch.randn(300, 256, device="cuda") / 16
+    h = torch.randn(10, 3, 64, device="cuda")
+    cand = torch.randint(0, 300, (10, 3, 32), device="cuda")
+    logits = torch.randn(10, 3, 32, device="cuda")
+    gather = w.score(h, cand, logits, head)
+    w.candidate_group_rows = 4
+    grouped = w.score(h, cand, logits, head)
+    assert (grouped - gather).abs().max() < 1e-3                      # tf32 dots against fp32 gathers

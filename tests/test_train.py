@@ -253,7 +253,8 @@ def test_dflash_training_beats_random_init_and_saves_zlab_layout(data, tmp_path)
 def test_bad_inputs_are_refused_with_clear_errors(data, tmp_path):
     base = {**WEAVER, "steps": 2, "micro_batch": 4, "eval_rows": 4, "eval_budgets": [4]}
     cases = [({"data": [str(data / "anchors"), str(data / "text")]}, "expected shards in 'anchors' mode"),
-             ({"data": [str(data / "anchors")], "micro_batch": 4096}, "fewer than one global batch")]
+             ({"data": [str(data / "anchors")], "micro_batch": 4096}, "fewer than one global batch"),
+             ({"data": [str(data / "anchors")], "score_group_rows": 64}, "score_group_rows x lookahead must be")]
     for i, (extra, message) in enumerate(cases):
         out = str(tmp_path / f"run{i}")
         cfg = _write(tmp_path / f"bad{i}.json", {**base, "output_dir": out, **extra})

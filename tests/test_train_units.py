@@ -161,7 +161,10 @@ def test_train_config_validation_and_deepspeed_config(tmp_path):
     assert ds["train_batch_size"] == 48 and ds["zero_optimization"] == {"stage": 2} and ds["bf16"]["enabled"]
     with pytest.raises(ValueError, match="compile must be 'auto', 'on' or 'off'"):
         TrainConfig.from_dict({"data": ["x"], "output_dir": "y", "compile": True})
-    other = TrainConfig.from_dict({**c.to_dict(), "eval_every": 7, "output_dir": "/elsewhere", "compile": "off"})
+    with pytest.raises(ValueError, match="score_group_rows must be >= 0"):
+        TrainConfig.from_dict({"data": ["x"], "output_dir": "y", "score_group_rows": -1})
+    other = TrainConfig.from_dict({**c.to_dict(), "eval_every": 7, "output_dir": "/elsewhere", "compile": "off",
+                                   "score_group_rows": 8})
     assert other.run_hash() == c.run_hash()                          # evaluation/paths do not change the trajectory
     assert TrainConfig.from_dict({**c.to_dict(), "lr": 1e-3}).run_hash() != c.run_hash()
 

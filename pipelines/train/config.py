@@ -49,6 +49,8 @@ class TrainConfig:
     zero_stage: int = 2
     precision: str = "auto"               # auto: bf16 on GPU, fp32 on CPU
     compile: str = "auto"                 # torch.compile the objective's forward: auto (Weaver on GPU) | on | off
+    score_group_rows: int = 0             # GPU Weaver: score groups of N rows over their distinct LM-head rows
+                                          # (experimental, untimed); 0: one gather per candidate
     seed: int = 0
     # ---- evaluation and checkpoints
     heldout_fraction: float = 0.05        # of the sequences (by sample_id), never trained on
@@ -81,7 +83,8 @@ class TrainConfig:
                   ("anchors_per_sequence", self.anchors_per_sequence >= 1, ">= 1"),
                   ("eval_budgets", all(b >= 1 for b in self.eval_budgets), "budgets >= 1"),
                   ("depth_gamma", self.depth_gamma is None or self.depth_gamma > 0, "null or > 0"),
-                  ("compile", self.compile in ("auto", "on", "off"), "'auto', 'on' or 'off'")]
+                  ("compile", self.compile in ("auto", "on", "off"), "'auto', 'on' or 'off'"),
+                  ("score_group_rows", self.score_group_rows >= 0, ">= 0")]
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"train config: {name} must be {expected}, got {getattr(self, name)!r}")
@@ -101,7 +104,7 @@ class TrainConfig:
         """Hash of every setting that changes the trajectory: a run folder only resumes under the same hash."""
         d = self.to_dict()
         for k in ("output_dir", "eval_every", "eval_rows", "eval_budgets", "checkpoint_every", "keep_last",
-                  "log_every", "device", "compile"):
+                  "log_every", "device", "compile", "score_group_rows"):
             d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 

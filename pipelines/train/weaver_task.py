@@ -193,6 +193,10 @@ class WeaverTask:
         self.wcfg = weaver_config(cfg, c)
         self.objective = WeaverObjective(initial_weaver(self.wcfg, cfg.seed), embed, head, kind=cfg.loss,
                                          weights=depth_weights(self.wcfg.lookahead, cfg.depth_gamma))
+        if cfg.score_group_rows * self.wcfg.lookahead > 128:
+            raise ValueError(f"train config: score_group_rows x lookahead must be <= 128 queries per group, got "
+                             f"{cfg.score_group_rows} x {self.wcfg.lookahead}")
+        self.objective.weaver.candidate_group_rows = cfg.score_group_rows
         self.train_index = self.data.train_index
         self.flops_per_item = flops_per_row(self.wcfg)
 

@@ -94,6 +94,9 @@ class WeaverState:
 class Weaver(nn.Module):
     # score() gathers LM-head rows with the Triton kernels on CUDA; False forces weight[cand] + bmm (benchmarks)
     use_candidate_kernels: bool = True
+    # > 0: training scores groups of this many rows (x L depths) over their distinct LM-head rows
+    # (kernels/candidate_logits/grouped.py, experimental); 0: one gather per (row, depth, candidate)
+    candidate_group_rows: int = 0
 
     def __init__(self, cfg: WeaverConfig):
         super().__init__()
@@ -160,8 +163,13 @@ class Weaver(nn.Module):
                 and not lm_head_weight.requires_grad):
             from kernels.candidate_logits import candidate_log_probs
             K = cand_ids.shape[-1]
-            logq = candidate_log_probs(query.reshape(-1, query.shape[-1]), lm_head_weight, cand_ids.reshape(-1, K),
-                                       bias=cand_logits.reshape(-1, K).float())           # [M, K] fp32
+            hid, cand, bias = query.reshape(-1, query.shape[-1]), cand_ids.reshape(-1, K), cand_logits.reshape(-1, K)
+            if self.candidate_group_rows > 0 and cand_ids.dim() >= 3:
+                from kernels.candidate_logits.grouped import grouped_candidate_log_probs
+                group = self.candidate_group_rows * cand_ids.shape[-2]                   # rows x L queries
+                logq = grouped_candidate_log_probs(hid, lm_head_weight, cand, group, bias=bias.float())
+            else:
+                logq = candidate_log_probs(hid, lm_head_weight, cand, bias=bias.float())  # [M, K] fp32
             return logq.view(cand_ids.shape)
         rows = lm_head_weight[cand_ids]                                                  # [..., K, d_model]
         residual = (rows @ query.unsqueeze(-1)).squeeze(-1)                              # [..., K]

@@ -168,6 +168,8 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
         return dhidden, None, None, dbias, None, None, None, None
 
 
+# Not traced by torch.compile (it syncs once for the union size and loops over chunks): a clean graph break.
+@torch.compiler.disable
 def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor, group: int,
                                 bias: torch.Tensor | None = None, inv_temperature: float | None = None,
                                 precision: str = "tf32", chunk_bytes: int = 1 << 29) -> torch.Tensor:

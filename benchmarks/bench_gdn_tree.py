@@ -36,18 +36,19 @@ GOAL_SPEEDUP = {64: 5.0, 65: 5.0}
 # configurations timed per tree size: the solve's node block, V tile, warps and prefetch, the
 # prep's column tile, register cap (0: none) and split into two launches, and programmatic
 # dependent launch
-KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "prep_split", "pdl")
+KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "prep_split", "pdl", "solve_kc")
 CONFIGS = [dict(zip(KEYS, c)) for c in [
-    (16, 16, 4, 16, True, 0, False, True), (16, 16, 4, 16, True, 128, False, True),
-    (16, 16, 4, 32, True, 0, False, True), (16, 16, 4, 32, True, 0, False, False),
-    (16, 16, 4, 32, True, 128, False, True), (16, 16, 4, 32, True, 96, False, True),
-    (16, 16, 4, 32, True, 96, False, False), (16, 16, 4, 64, True, 0, False, True),
-    (16, 16, 4, 64, True, 128, False, True), (16, 16, 4, 32, False, 0, False, True),
-    (16, 32, 4, 32, True, 0, False, True), (32, 32, 4, 64, True, 0, False, True),
-    (32, 32, 4, 64, False, 0, False, True), (32, 32, 4, 128, False, 0, False, True),
-    (32, 16, 4, 64, False, 0, False, True),
-    (16, 16, 4, 32, True, 0, True, True), (16, 16, 4, 64, True, 0, True, True),
-    (16, 16, 4, 32, True, 0, True, False), (32, 32, 4, 64, True, 0, True, True)]]
+    (16, 16, 4, 16, True, 0, False, True, 128), (16, 16, 4, 16, True, 128, False, True, 128),
+    (16, 16, 4, 32, True, 0, False, True, 128), (16, 16, 4, 32, True, 0, False, False, 128),
+    (16, 16, 4, 32, True, 128, False, True, 128), (16, 16, 4, 32, True, 96, False, True, 128),
+    (16, 16, 4, 32, True, 96, False, False, 128), (16, 16, 4, 64, True, 0, False, True, 128),
+    (16, 16, 4, 64, True, 128, False, True, 128), (16, 16, 4, 32, False, 0, False, True, 128),
+    (16, 32, 4, 32, True, 0, False, True, 128), (32, 32, 4, 64, True, 0, False, True, 128),
+    (32, 32, 4, 64, False, 0, False, True, 128), (32, 32, 4, 128, False, 0, False, True, 128),
+    (32, 16, 4, 64, False, 0, False, True, 128),
+    (16, 16, 4, 32, True, 0, True, True, 128), (16, 16, 4, 64, True, 0, True, True, 128),
+    (16, 16, 4, 32, True, 0, True, False, 128), (32, 32, 4, 64, True, 0, True, True, 128),
+    (16, 16, 4, 32, True, 0, False, True, 64), (16, 16, 4, 32, True, 0, True, True, 64)]]
 
 
 def default_config(n):
@@ -57,11 +58,12 @@ def default_config(n):
 
 def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
-    prep (with and without the register cap) toggled."""
+    prep (with and without the register cap) or 64-column solve dots toggled."""
     if quick:
         d = default_config(n)
         out = [d, dict(d, pdl=not d["pdl"]), dict(d, prep_split=not d["prep_split"]),
-               dict(d, prep_split=not d["prep_split"], prep_maxnreg=0)]
+               dict(d, prep_split=not d["prep_split"], prep_maxnreg=0), dict(d, solve_kc=64),
+               dict(d, solve_kc=64, prep_split=not d["prep_split"], prep_maxnreg=0)]
         return [c for i, c in enumerate(out) if c not in out[:i]]
     return [c for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 

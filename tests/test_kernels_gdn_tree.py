@@ -83,6 +83,7 @@ VERIFY_CASES = [
     (1, 256, [250], 1, 1, 16, 16, "random", torch.float32, {"block_t": 16, "p_chain": 0.8}),
     # the solve without the next block's prefetch, and a prep whose last column chunk is partial
     (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 16, "prefetch": False}),
+    (2, 100, [100, 61], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 16, "solve_kc": 16}),
     (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64,
                                                                "prefetch": False}),
     # the prep as two launches (diagonals, then tiles reading back G and the norms)
@@ -127,7 +128,8 @@ def run_verify(case, seed=0):
     d = [t.to(DEV) for t in (q, k, v, g, beta, parent, num, sidx)]
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], use_qk_l2norm=l2, state_v_first=vf,
                                precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
-                               prefetch=extra.get("prefetch", True), prep_split=extra.get("prep_split"))
+                               prefetch=extra.get("prefetch", True), prep_split=extra.get("prep_split"),
+                               solve_kc=extra.get("solve_kc"))
     assert torch.equal(dpool, before), "verify wrote the committed state"
     if extra.get("nan_padding"):
         for b, n in enumerate(ns):  # the float64 reference reads nothing past n either
@@ -244,7 +246,8 @@ def test_rejects_non_topological_parents():
     check_parents(parent, torch.tensor([2]))  # the bad node is padding
     ok = torch.tensor([[-1, 0, 1, 2]], dtype=torch.int32)
     bad_pdl = [] if torch.cuda.is_available() and not INTERPRET else [({"pdl": True}, "compute capability")]
-    for bad, match in [({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t")] + bad_pdl:
+    for bad, match in [({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t"),
+                       ({"solve_kc": 24}, "solve_kc")] + bad_pdl:
         with pytest.raises(ValueError, match=match):
             tree_gdn_verify(q, q, v, g, g, ok, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
                             torch.tensor([0], dtype=torch.int32), **bad)

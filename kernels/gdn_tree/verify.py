@@ -168,14 +168,14 @@ def _config(N):
     (block 32 was 0-10% slower, 64 2-3x slower); capping the prep at 96 registers gained 1% at n = 129.
     """
     return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True,
-                prep_maxnreg=0 if N <= 96 else 96, prep_split=False)
+                prep_maxnreg=0 if N <= 96 else 96, prep_split=False, solve_kc=128)
 
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
-                    prefetch=None, prep_warps=None, prep_maxnreg=None, prep_split=None, pdl=None,
-                    stages=("prep", "solve")):
+                    prefetch=None, solve_kc=None, prep_warps=None, prep_maxnreg=None, prep_split=None,
+                    pdl=None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -197,6 +197,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         check: validate `parent` on the host when building `anc` (syncs). Default: True.
         block_t, block_v, num_warps: tuning overrides of the solve kernel (block_t in 16, 32, 64).
         block_c: tuning override of the prep kernel's column chunk (a power of 2 >= 16).
+        solve_kc: columns of earlier nodes per dot in the solve (a power of 2 >= 16; default
+            min(128, padded columns)). ptxas -v: the default solve takes 230 registers at 128
+            columns (n > 65 with 16-node blocks, 2 programs per SM) and 161 at 64 (3 per SM).
         prefetch: the solve reads the next block's q/k/v rows while the current block waits on
             its earlier V' (tuning).
         prep_warps, prep_maxnreg: tuning of the prep launch (warps; register cap, 0 for none,
@@ -248,6 +251,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     nw, BC = num_warps or dflt["num_warps"], block_c or dflt["block_c"]
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
     prep_split = dflt["prep_split"] if prep_split is None else prep_split
+    solve_kc = dflt["solve_kc"] if solve_kc is None else solve_kc
+    if solve_kc < 16 or solve_kc & (solve_kc - 1):
+        raise ValueError(f"solve_kc must be a power of 2 >= 16, got {solve_kc}")
     pdl = pdl_supported(v.device) if pdl is None else bool(pdl)
     if pdl and not pdl_supported(v.device):
         raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9 and a Triton with "
@@ -289,7 +295,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V,
-            NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, 128), STATE_V_FIRST=state_v_first,
+            NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, solve_kc), STATE_V_FIRST=state_v_first,
             DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, num_warps=nw, num_stages=1,
             **({"launch_pdl": True} if pdl else {}))
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

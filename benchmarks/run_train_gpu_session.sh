@@ -6,7 +6,8 @@
 #   OUT=out SCORING=1 TFM_GIT_REV=... bash benchmarks/run_train_gpu_session.sh   # gather vs grouped scoring only
 #
 # SCORING=1: the grouped candidate scoring against the gather kernels at 1024 rows per step (compiled), on
-# uniform candidates and on candidate sets replayed from a real model (benchmarks/data/smollm2_top512.npz).
+# uniform candidates and on candidate sets replayed from a real model (benchmarks/data/smollm2_top512.npz);
+# RUNS='replay grouped 4;uniform grouped 8' picks other (candidates scoring [rows per group]) runs. ~9 minutes.
 #
 # Weaver at the Qwen3.6-27B preset (56.7M parameters, hidden 5120, vocab 248320, 15 depths x 512 candidates)
 # under DeepSpeed ZeRO-2 bf16, synthetic rows; global batches 64/128/256 on one GPU, then (GPUS=2) the same
@@ -24,10 +25,11 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_candidat
 if [ "${SCORING:-0}" = 1 ]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_candidate_logits_grouped.py \
     >"$OUT/tests_grouped.log" 2>&1; tail -2 "$OUT/tests_grouped.log"
-  for run in "uniform gather" "replay gather" "replay grouped 8" "replay grouped 4" "uniform grouped 8"; do
+  IFS=';' read -ra R <<<"${RUNS:-replay grouped 8;replay gather;uniform gather}"
+  for run in "${R[@]}"; do
     set -- $run
     name="train_gb1024_$1_$2${3:+_$3}"
-    timeout 240 python3 -m benchmarks.train_bench --preset qwen36_27b --global-batch 1024 --steps 10 --warmup 3 \
+    timeout 170 python3 -m benchmarks.train_bench --preset qwen36_27b --global-batch 1024 --steps 10 --warmup 3 \
       --compile --candidates "$1" --step-scoring "$2" --score-group "${3:-8}" --out "$OUT/$name.json" \
       2>/tmp/logs/$name.err | tail -1 || tail -5 /tmp/logs/$name.err
   done

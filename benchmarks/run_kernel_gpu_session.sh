@@ -24,8 +24,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$
 # phase 1: tests (GPU) + warm-up, in parallel
 timeout 200 python3 benchmarks/bench_gdn_tree.py --warm >$L/warm.log 2>&1 &
 for t in $KERNELS; do
-  n=2; [ $t = gdn_tree ] && n=6
-  (timeout 200 python3 -m pytest -q -p no:cacheprovider -n $n "tests/test_kernels_$t.py" \
+  n=2; extra=""
+  # the GDN kernels also inside the decoder: q/k/v come from the kernels before them (PDL ordering)
+  [ $t = gdn_tree ] && n=6 && extra=tests/test_engine_gdn_triton.py
+  (timeout 200 python3 -m pytest -q -p no:cacheprovider -n $n "tests/test_kernels_$t.py" $extra \
      >$L/test_$t.log 2>&1; echo "exit=$?" >>$L/test_$t.log) &
 done
 wait

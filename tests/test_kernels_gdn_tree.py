@@ -336,4 +336,20 @@ def test_gpu_pdl_launch_matches_plain_launch(n):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, plain)
+    # q/k/v written by the kernels just before the verify (as in a model): every replay must see the new values
+    src = [t.clone() for t in d[:3]]
+    with torch.cuda.stream(s):
+        tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True)
+    for seed in range(3):
+        gen2 = torch.Generator(device="cuda").manual_seed(seed)
+        for x in src:
+            x.copy_(torch.randn(x.shape, generator=gen2, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, _ = tree_gdn_verify(*src, *d[3:], dpool, dsidx, anc=anc, pdl=False)
+        assert torch.equal(fresh, want)
     assert torch.equal(dpool.cpu(), pool), "verify wrote the committed state"

@@ -1,5 +1,4 @@
 """Differentiable candidate log-probs (Triton forward + row-gather backward) against float64 autograd."""
-import math
 import os
 
 import pytest
@@ -8,32 +7,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from candidate_inputs import grads, inputs  # noqa: E402
 from kernels.candidate_logits import candidate_log_probs, candidate_logits_ref  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
-
-
-def inputs(M, Kc, Dm, V, dtype, pad_frac=0.0, device="cpu", seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(M, Dm, generator=gen).to(device=device, dtype=dtype)
-    weight = (torch.randn(V, Dm, generator=gen) / math.sqrt(Dm)).to(device=device, dtype=dtype)
-    cand = torch.randint(0, V, (M, Kc), generator=gen)
-    cand[torch.rand(M, Kc, generator=gen) < pad_frac] = -1
-    bias = (2 * torch.randn(M, Kc, generator=gen)).to(device)
-    w = torch.randn(M, Kc, generator=gen).to(device)             # loss weights: loss = sum(w * logprobs)
-    return hidden, weight, cand.to(device=device, dtype=torch.int32), bias, w
-
-
-def grads(fn, hidden, weight, cand, bias, w, dtype, inv_t):
-    """(logprobs, d hidden, d bias) of loss = sum over valid entries of w * logprobs, in `dtype`."""
-    h = hidden.detach().to(dtype).requires_grad_()
-    b = bias.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()  # fp32 bias
-    lp = fn(h, weight.detach().to(dtype), cand, b, inv_t)
-    valid = torch.isfinite(lp)
-    (w.to(lp.dtype) * lp.masked_fill(~valid, 0.0)).sum().backward()
-    return lp.detach(), h.grad, b.grad
 
 
 def ours(h, weight, cand, b, inv_t):

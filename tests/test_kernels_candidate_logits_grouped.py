@@ -1,5 +1,4 @@
 """Grouped candidate log-probs (each group's distinct LM-head rows read once) against float64 autograd."""
-import math
 import os
 
 import pytest
@@ -8,32 +7,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from candidate_inputs import grads, inputs  # noqa: E402
 from kernels.candidate_logits import candidate_logits_ref  # noqa: E402
 from kernels.candidate_logits.grouped import group_union, grouped_candidate_log_probs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
-
-
-def inputs(M, Kc, Dm, V, dtype, pad_frac=0.0, device="cpu", seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(M, Dm, generator=gen).to(device=device, dtype=dtype)
-    weight = (torch.randn(V, Dm, generator=gen) / math.sqrt(Dm)).to(device=device, dtype=dtype)
-    cand = torch.randint(0, V, (M, Kc), generator=gen)
-    cand[torch.rand(M, Kc, generator=gen) < pad_frac] = -1
-    cand[torch.rand(M, Kc, generator=gen) < pad_frac / 2] = V + 3           # out of range: a pad too
-    bias = (2 * torch.randn(M, Kc, generator=gen)).to(device)
-    w = torch.randn(M, Kc, generator=gen).to(device)                         # loss = sum(w * logprobs)
-    return hidden, weight, cand.to(device=device, dtype=torch.int32), bias, w
-
-
-def grads(fn, hidden, weight, cand, bias, w, dtype):
-    h = hidden.detach().to(dtype).requires_grad_()
-    b = bias.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
-    lp = fn(h, weight.detach().to(dtype), cand, b)
-    (w.to(lp.dtype) * lp.masked_fill(~torch.isfinite(lp), 0.0)).sum().backward()
-    return lp.detach(), h.grad, b.grad
 
 
 @cpu_only
@@ -45,16 +25,16 @@ def grads(fn, hidden, weight, cand, bias, w, dtype):
     (20, 40, 32, 400, 20, torch.float32, None, 0.05, 1 << 29),  # union over one BU block
 ])
 def test_grouped_matches_float64(M, Kc, Dm, V, group, dtype, inv_t, pad, chunk):
-    hidden, weight, cand, bias, w = inputs(M, Kc, Dm, V, dtype, pad)
+    hidden, weight, cand, bias, w = inputs(M, Kc, Dm, V, dtype, pad, out_of_range_frac=pad / 2)
 
-    def ours(h, wt, c, b):
+    def ours(h, wt, c, b, inv_t):
         return grouped_candidate_log_probs(h, wt, c, group, bias=b, inv_temperature=inv_t, precision="ieee",
                                            chunk_bytes=chunk)
 
-    def ref(h, wt, c, b):
+    def ref(h, wt, c, b, inv_t):
         return candidate_logits_ref(h, wt, c, inv_t, b)[1]
-    lp, dh, db = grads(ours, hidden, weight, cand, bias, w, dtype)
-    lp_r, dh_r, db_r = grads(ref, hidden, weight, cand, bias, w, torch.float64)
+    lp, dh, db = grads(ours, hidden, weight, cand, bias, w, dtype, inv_t)
+    lp_r, dh_r, db_r = grads(ref, hidden, weight, cand, bias, w, torch.float64, inv_t)
     assert torch.equal(torch.isfinite(lp), torch.isfinite(lp_r))
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     fin = torch.isfinite(lp_r)
@@ -87,7 +67,7 @@ def test_all_pad_row_and_bad_input():
     hidden, weight, cand, bias, w = inputs(6, 5, 32, 40, torch.float32)
     cand[1] = -1
 
-    def ours(h, wt, c, b):
+    def ours(h, wt, c, b, inv_t):
         return grouped_candidate_log_probs(h, wt, c, 3, bias=b, precision="ieee")
     lp, dh, db = grads(ours, hidden, weight, cand, bias, w, torch.float32)
     assert torch.isinf(lp[1]).all() and torch.all(dh[1] == 0) and torch.all(db[1] == 0)
@@ -106,9 +86,9 @@ def test_gpu_bf16_training_shape_matches_the_gather_kernel():
     """8 rows x 15 depths x 512 candidates per group, hidden 5120, bf16: same as `candidate_log_probs`."""
     from kernels.candidate_logits import candidate_log_probs
     hidden, weight, cand, bias, w = inputs(16 * 15, 512, 5120, 32000, torch.bfloat16, 0.01, "cuda")
-    lp, dh, db = grads(lambda h, wt, c, b: grouped_candidate_log_probs(h, wt, c, 120, bias=b),
+    lp, dh, db = grads(lambda h, wt, c, b, _: grouped_candidate_log_probs(h, wt, c, 120, bias=b),
                        hidden, weight, cand, bias, w, torch.bfloat16)
-    lp_g, dh_g, db_g = grads(lambda h, wt, c, b: candidate_log_probs(h, wt, c, bias=b),
+    lp_g, dh_g, db_g = grads(lambda h, wt, c, b, _: candidate_log_probs(h, wt, c, bias=b),
                              hidden, weight, cand, bias, w, torch.bfloat16)
     fin = torch.isfinite(lp_g)
     assert torch.equal(fin, torch.isfinite(lp))

@@ -28,3 +28,21 @@ def grads(fn, hidden, weight, cand, bias, w, dtype, inv_t=None):
     valid = torch.isfinite(lp)
     (w.to(lp.dtype) * lp.masked_fill(~valid, 0.0)).sum().backward()
     return lp.detach(), h.grad, b.grad
+
+
+def assert_grads_match_float64(fn, hidden, weight, cand, bias, w, dtype, inv_t=None):
+    """fn's log-probs and gradients (hidden, bias) against `candidate_logits_ref` under float64 autograd."""
+    from kernels.candidate_logits import candidate_logits_ref
+
+    def ref(h, wt, c, b, inv):
+        return candidate_logits_ref(h, wt, c, inv, b)[1]
+    lp, dh, db = grads(fn, hidden, weight, cand, bias, w, dtype, inv_t)
+    lp_r, dh_r, db_r = grads(ref, hidden, weight, cand, bias, w, torch.float64, inv_t)
+    assert torch.equal(torch.isfinite(lp), torch.isfinite(lp_r))
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    fin = torch.isfinite(lp_r)
+    assert (lp.double()[fin] - lp_r[fin]).abs().max() < tol
+    assert dh.dtype == dtype and db.dtype == torch.float32
+    assert (dh.double() - dh_r).abs().max() <= tol * max(1.0, dh_r.abs().max().item())
+    assert (db.double() - db_r).abs().max() <= tol
+    assert torch.all(db[~fin] == 0), "pads get no gradient"

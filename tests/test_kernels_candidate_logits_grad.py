@@ -7,7 +7,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from candidate_inputs import grads, inputs  # noqa: E402
+from candidate_inputs import assert_grads_match_float64, grads, inputs  # noqa: E402
 from kernels.candidate_logits import candidate_log_probs, candidate_logits_ref  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -31,17 +31,7 @@ def ref(h, weight, cand, b, inv_t):
     (4, 33, 300, 97, torch.float32, 1.3, 0.0),      # Dm over one BLOCK_D
 ])
 def test_grads_match_float64(M, Kc, Dm, V, dtype, inv_t, pad):
-    hidden, weight, cand, bias, w = inputs(M, Kc, Dm, V, dtype, pad)
-    lp, dh, db = grads(ours, hidden, weight, cand, bias, w, dtype, inv_t)
-    lp_r, dh_r, db_r = grads(ref, hidden, weight, cand, bias, w, torch.float64, inv_t)
-    assert torch.equal(torch.isfinite(lp), torch.isfinite(lp_r))
-    tol = 1e-5 if dtype == torch.float32 else 3e-3
-    fin = torch.isfinite(lp_r)
-    assert (lp.double()[fin] - lp_r[fin]).abs().max() < tol
-    assert dh.dtype == dtype and db.dtype == torch.float32
-    assert (dh.double() - dh_r).abs().max() <= tol * max(1.0, dh_r.abs().max().item())
-    assert (db.double() - db_r).abs().max() <= tol
-    assert torch.all(db[~fin] == 0), "pads get no gradient"
+    assert_grads_match_float64(ours, *inputs(M, Kc, Dm, V, dtype, pad), dtype, inv_t)
 
 
 @cpu_only
@@ -71,13 +61,16 @@ def test_gpu_bf16_training_shape():
 
 
 @gpu_only
-def test_weaver_score_cuda_matches_torch_path():
-    """Weaver.score on CUDA (kernels) against the same function through weight[cand] + bmm in float64."""
+@pytest.mark.parametrize("group_rows", [0, 2])
+def test_weaver_score_cuda_matches_torch_path(group_rows):
+    """Weaver.score on CUDA (kernels: gathers, or grouped with `group_rows` rows per group) against the same
+    function through weight[cand] + bmm in float64."""
     from tfm_runtime.models.weaver import Weaver, WeaverConfig
     cfg = WeaverConfig(d_model=256, d_embed=256, d_rank=64, num_layers=1, num_heads=2, mlp_dim=128, lookahead=3,
                        candidate_pool=32)
     torch.manual_seed(0)
     wv = Weaver(cfg).cuda()
+    wv.candidate_group_rows = group_rows
     lm = torch.randn(1000, 256, device="cuda") / 16
     h = torch.randn(5, 3, 64, device="cuda", requires_grad=True)
     cand = torch.randint(0, 1000, (5, 3, 32), device="cuda")

@@ -7,8 +7,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from candidate_inputs import grads, inputs  # noqa: E402
-from kernels.candidate_logits import candidate_logits_ref  # noqa: E402
+from candidate_inputs import assert_grads_match_float64, grads, inputs  # noqa: E402
 from kernels.candidate_logits.grouped import group_union, grouped_candidate_log_probs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -31,18 +30,7 @@ def test_grouped_matches_float64(M, Kc, Dm, V, group, dtype, inv_t, pad, chunk):
         return grouped_candidate_log_probs(h, wt, c, group, bias=b, inv_temperature=inv_t, precision="ieee",
                                            chunk_bytes=chunk)
 
-    def ref(h, wt, c, b, inv_t):
-        return candidate_logits_ref(h, wt, c, inv_t, b)[1]
-    lp, dh, db = grads(ours, hidden, weight, cand, bias, w, dtype, inv_t)
-    lp_r, dh_r, db_r = grads(ref, hidden, weight, cand, bias, w, torch.float64, inv_t)
-    assert torch.equal(torch.isfinite(lp), torch.isfinite(lp_r))
-    tol = 1e-5 if dtype == torch.float32 else 3e-3
-    fin = torch.isfinite(lp_r)
-    assert (lp.double()[fin] - lp_r[fin]).abs().max() < tol
-    assert dh.dtype == dtype
-    assert (dh.double() - dh_r).abs().max() <= tol * max(1.0, dh_r.abs().max().item())
-    assert (db.double() - db_r).abs().max() <= tol
-    assert torch.all(db[~fin] == 0), "pads get no gradient"
+    assert_grads_match_float64(ours, hidden, weight, cand, bias, w, dtype, inv_t)
 
 
 @cpu_only
@@ -95,23 +83,3 @@ def test_gpu_bf16_training_shape_matches_the_gather_kernel():
     assert (lp[fin] - lp_g[fin]).abs().max() < 1e-3
     assert (dh.float() - dh_g.float()).norm() / dh_g.float().norm() < 1e-2
     assert (db - db_g).abs().max() < 1e-3
-
-
-@gpu_only
-def test_weaver_score_grouped_matches_gather():
-    """Weaver.score with candidate_group_rows (training's score_group_rows) against the gather kernels."""
-    from tfm_runtime.models.weaver import Weaver, WeaverConfig
-    cfg = WeaverConfig(d_model=256, d_embed=256, d_rank=64, num_layers=1, num_heads=2, mlp_dim=128, lookahead=3,
-                       candidate_pool=32)
-    torch.manual_seed(0)
-    w = Weaver(cfg).cuda()
-    with torch.no_grad():
-        w.lm_head_query_in.weight.normal_(0, 0.05)
-    head = torch.randn(300, 256, device="cuda") / 16
-    h = torch.randn(10, 3, 64, device="cuda")
-    cand = torch.randint(0, 300, (10, 3, 32), device="cuda")
-    logits = torch.randn(10, 3, 32, device="cuda")
-    gather = w.score(h, cand, logits, head)
-    w.candidate_group_rows = 4
-    grouped = w.score(h, cand, logits, head)
-    assert (grouped - gather).abs().max() < 1e-3                      # tf32 dots against fp32 gathers

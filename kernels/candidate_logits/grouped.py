@@ -172,7 +172,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
 @torch.compiler.disable
 def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor, group: int,
                                 bias: torch.Tensor | None = None, inv_temperature: float | None = None,
-                                precision: str = "tf32", chunk_bytes: int = 1 << 29) -> torch.Tensor:
+                                precision: str | None = None, chunk_bytes: int = 1 << 29) -> torch.Tensor:
     r"""`candidate_log_probs` with each group's distinct LM-head rows read once (gradients for hidden, bias).
 
     Args:
@@ -181,7 +181,9 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
         cand: int [M, Kc]; ids < 0 or >= Vocab are pads (-inf, no gradient). Duplicates are separate entries.
         group: query rows per group, 1 to 128 (Weaver: anchors per group x L).
         bias: fp32 [M, Kc] or None, added after the temperature.  inv_temperature: None (= 1) or a float.
-        precision: `tl.dot` input precision for fp32 operands, "tf32" | "ieee" (16-bit inputs are exact).
+        precision: `tl.dot` input precision for fp32 operands, "tf32" | "ieee". Default: "ieee" for fp32
+            hidden (as exact as the gather kernels), "tf32" for 16-bit hidden, where it only affects the
+            backward's fp32 score-gradient x weight dot (the forward's 16-bit products are exact).
         chunk_bytes: bound on the fp32 score scratch (groups are processed in chunks).
     Returns:
         logprobs: fp32 [M, Kc].
@@ -195,5 +197,6 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
                          f"{tuple(weight.shape)}, {tuple(cand.shape)}")
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    precision = precision or ("ieee" if hidden.dtype == torch.float32 else "tf32")
     return _GroupedCandidateLogProbs.apply(hidden, weight, cand, bias, inv_temperature, group, precision,
                                            chunk_bytes)

@@ -182,6 +182,9 @@ class WeaverTask:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.data, self.eval_index = open_run_data(cfg, "anchors")
         c = self.contract = self.data.contract
+        if cfg.score_group_rows * c.lookahead > 128:                  # before the LM head is read
+            raise ValueError(f"train config: score_group_rows x lookahead must be <= 128 queries per group, got "
+                             f"{cfg.score_group_rows} x {c.lookahead}")
         # Shards collected with store_candidates: false (half the bytes) get their candidates recomputed here.
         self.recompute_candidates = "cand_ids" not in self.data.shapes
         spec = cfg.target or ModelSpec(c.target_id, c.target_revision)
@@ -193,9 +196,6 @@ class WeaverTask:
         self.wcfg = weaver_config(cfg, c)
         self.objective = WeaverObjective(initial_weaver(self.wcfg, cfg.seed), embed, head, kind=cfg.loss,
                                          weights=depth_weights(self.wcfg.lookahead, cfg.depth_gamma))
-        if cfg.score_group_rows * self.wcfg.lookahead > 128:
-            raise ValueError(f"train config: score_group_rows x lookahead must be <= 128 queries per group, got "
-                             f"{cfg.score_group_rows} x {self.wcfg.lookahead}")
         self.objective.weaver.candidate_group_rows = cfg.score_group_rows
         self.train_index = self.data.train_index
         self.flops_per_item = flops_per_row(self.wcfg)

@@ -108,6 +108,12 @@ def _config(U: int, Dm: int, group: int):
     return GQ, BU, BD, 8 if GQ >= 64 else 4
 
 
+def _scratch_rows(n: int, group: int, GQ: int, device) -> torch.Tensor:
+    """[n] row of the flattened [groups, GQ, U] scratch for each of n consecutive query rows."""
+    q = torch.arange(n, device=device)
+    return (q // group) * GQ + q % group
+
+
 class _GroupedCandidateLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, cand, bias, inv_t, group, precision, chunk_bytes):
@@ -125,8 +131,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
             grouped_scores_kernel[(g1 - g0, triton.cdiv(U, BU))](
                 hidden[r0:r1], weight, union[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0, U, Dm, V,
                 G=group, GQ=GQ, BU=BU, BD=BD, DOT_PREC=precision, num_warps=nw)
-            q = torch.arange(r1 - r0, device=hidden.device)
-            srow = (q // group) * GQ + q % group                             # row of S.view(-1, U) per query
+            srow = _scratch_rows(r1 - r0, group, GQ, hidden.device)
             logits[r0:r1] = S.view(-1)[srow[:, None] * U + pos[r0:r1].clamp(min=0)]
         logits = logits * (1.0 if inv_t is None else inv_t)
         if bias is not None:
@@ -142,8 +147,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         weight, union, pos, logprobs = ctx.saved_tensors
-        valid = pos >= 0
-        g = torch.where(valid, g.float(), 0.0)
+        g = torch.where(pos >= 0, g.float(), 0.0)
         dlogits = g - torch.exp(logprobs) * g.sum(-1, keepdim=True)           # exp(-inf) = 0 at pads
         dhidden = None
         if ctx.needs_input_grad[0]:
@@ -155,12 +159,10 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
             for g0 in range(0, NG, chunk):
                 g1 = min(NG, g0 + chunk)
                 r0, r1 = g0 * group, min(M, g1 * group)
-                q = torch.arange(r1 - r0, device=weight.device)
                 dS = torch.zeros(g1 - g0, GQ, U, dtype=torch.float32, device=weight.device)
-                flat = dS.view(-1, U)
-                flat.index_put_((((q // group) * GQ + q % group)[:, None].expand_as(pos[r0:r1]),
-                                 pos[r0:r1].clamp(min=0)),
-                                torch.where(valid[r0:r1], dlogits[r0:r1] * inv_t, 0.0), accumulate=True)
+                srow = _scratch_rows(r1 - r0, group, GQ, weight.device)
+                dS.view(-1, U).index_put_((srow[:, None].expand_as(pos[r0:r1]), pos[r0:r1].clamp(min=0)),
+                                          dlogits[r0:r1] * inv_t, accumulate=True)      # 0 at pads
                 grouped_hidden_grad_kernel[(g1 - g0, triton.cdiv(Dm, BD))](
                     dS, weight, union[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
                     G=group, GQ=GQ, BU=BU, BD=BD, DOT_PREC=ctx.precision, num_warps=nw)

@@ -276,17 +276,10 @@ def tree_gdn_prep_kernel(
     i_s = tl.load(state_idx + i_b)
     n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
     p_blk = (i_bh * NB + i_t) * 2 * BT
-    if PART == 1:
-        diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h,
-                       i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC)
-    elif PART == 2:
+    if PART == 2 or (PART == 0 and i_p >= NB):
         off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
                           rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
-                          DOT_PREC, True)
-    elif i_p >= NB:
-        off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
-                          rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
-                          DOT_PREC, False)
+                          DOT_PREC, PART == 2)
     else:
         diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h,
                        i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC)

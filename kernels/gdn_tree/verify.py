@@ -252,8 +252,6 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
     prep_split = dflt["prep_split"] if prep_split is None else prep_split
     solve_kc = dflt["solve_kc"] if solve_kc is None else solve_kc
-    if solve_kc < 16 or solve_kc & (solve_kc - 1):
-        raise ValueError(f"solve_kc must be a power of 2 >= 16, got {solve_kc}")
     pdl = pdl_supported(v.device) if pdl is None else bool(pdl)
     if pdl and not pdl_supported(v.device):
         raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9 and a Triton with "
@@ -262,8 +260,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     prep_maxnreg = dflt["prep_maxnreg"] if prep_maxnreg is None else prep_maxnreg
     if BT not in (16, 32, 64):
         raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")
-    if BC < 16 or BC & (BC - 1):
-        raise ValueError(f"block_c must be a power of 2 >= 16, got {BC}")
+    for name, x in (("block_c", BC), ("solve_kc", solve_kc)):
+        if x < 16 or x & (x - 1):
+            raise ValueError(f"{name} must be a power of 2 >= 16, got {x}")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     anc, num_nodes, state_idx = anc.contiguous(), num_nodes.contiguous(), state_idx.contiguous()
     dev, f32 = v.device, torch.float32
@@ -280,9 +279,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     BC = min(NPAD, BC)
     # off-diagonal tiles: block t has cdiv(t BT, BC) of BC columns
     NT = sum(triton.cdiv(t * BT, BC) for t in range(1, NB))
+    launch = {"launch_pdl": True} if pdl else {}
     if "prep" in stages:
-        extra = dict({"maxnreg": prep_maxnreg} if prep_maxnreg else {},
-                     **({"launch_pdl": True} if pdl else {}))
+        extra = dict({"maxnreg": prep_maxnreg} if prep_maxnreg else {}, **launch)
         # one launch of NB diagonal + NT tile programs, or (prep_split) the diagonal programs,
         # then the tiles reading the G and norms they stored
         parts = [(1, NB), (2, NT)] if prep_split else [(0, NB + NT)]
@@ -296,6 +295,5 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V,
             NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, solve_kc), STATE_V_FIRST=state_v_first,
-            DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, num_warps=nw, num_stages=1,
-            **({"launch_pdl": True} if pdl else {}))
+            DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, num_warps=nw, num_stages=1, **launch)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

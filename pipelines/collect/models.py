@@ -123,14 +123,13 @@ def load_models(cfg: CollectConfig, device: torch.device, with_drafter: bool = T
     from tfm_runtime.models import DFlashDrafter
     from tfm_runtime.worlds import tiny_world
     dtype = resolve_dtype(cfg.target, device)
-    d_tiny = _tiny(cfg.drafter) if cfg.drafter is not None else None
     if cfg.drafter is None:
         assert not with_drafter, "anchor shards need a drafter (CollectConfig checks this)"
         drafter, taps = None, []
     elif not with_drafter:
         drafter = None
         taps = drafter_config(cfg.drafter).target_layer_ids          # config only: no drafter weights
-    elif d_tiny:
+    elif d_tiny := _tiny(cfg.drafter):
         drafter = tiny_world(d_tiny[0], seed=d_tiny[1], vocab_size=TINY_VOCAB, dtype=dtype).drafter
     else:
         drafter = DFlashDrafter.from_pretrained(cfg.drafter.path, dtype=dtype)

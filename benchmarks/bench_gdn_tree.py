@@ -36,9 +36,8 @@ GOAL_SPEEDUP = {64: 5.0, 65: 5.0}
 # configurations timed per tree size: the solve's node block, V tile, warps and prefetch, the
 # prep's column tile, register cap (0: none) and split into two launches, and programmatic
 # dependent launch
-KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "prep_split", "pdl", "solve_kc",
-        "solve_resident")
-CONFIGS = [dict(zip(KEYS, c + (0,))) for c in [
+KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "prep_split", "pdl", "solve_kc")
+CONFIGS = [dict(zip(KEYS, c)) for c in [
     (16, 16, 4, 16, True, 0, False, True, 128), (16, 16, 4, 16, True, 128, False, True, 128),
     (16, 16, 4, 32, True, 0, False, True, 128), (16, 16, 4, 32, True, 0, False, False, 128),
     (16, 16, 4, 32, True, 128, False, True, 128), (16, 16, 4, 32, True, 96, False, True, 128),
@@ -57,18 +56,14 @@ def default_config(n):
     return dict(_config(n), pdl=pdl_supported(torch.device("cuda")))
 
 
-def configs_for(n, quick=False, resident=False):
+def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
-    prep (with and without the register cap) or 64-column solve dots toggled; `resident`: also the
-    register-resident solves of the first and last of those."""
+    prep (with and without the register cap) or 64-column solve dots toggled."""
     if quick:
         d = default_config(n)
         out = [d, dict(d, pdl=not d["pdl"]), dict(d, prep_split=not d["prep_split"]),
                dict(d, prep_split=not d["prep_split"], prep_maxnreg=0), dict(d, solve_kc=64),
                dict(d, solve_kc=64, prep_split=not d["prep_split"], prep_maxnreg=0)]
-        # the solve with earlier V' in registers (AP/W at the block's top or one block ahead)
-        out += [] if not resident else [dict(c, solve_resident=r, **x) for c in out[:1] + out[-1:] for r in (1, 2)
-                for x in ({}, {"prefetch": False}, {"block_v": 32})]
         return [c for i, c in enumerate(out) if c not in out[:i]]
     return [c for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 
@@ -156,7 +151,7 @@ def verify_call(d, cfg, stages=("prep", "solve")):
                            d["sidx"], anc=d["anc"], stages=stages, **cfg)
 
 
-def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf"), quick=False, resident=False):
+def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf"), quick=False):
     sets = [make_inputs(1, n, [n], kind, torch.bfloat16, seed=100 + i, P=2)[1]
             for i in range(1 if warm else layers)]
     for d in sets:
@@ -170,7 +165,7 @@ def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf"), qu
     default = default_config(n)
     row = dict(n=n, kind=kind, depth=ref.tree_depth(sets[0]["parent"][0].cpu()),
                floor_us=floor_us(n), default_config=default, verify_configs=[])
-    for cfg in configs_for(n, quick, resident):
+    for cfg in configs_for(n, quick):
         if cfg != default and time.time() > t_end:
             continue  # out of time: keep the default only
         try:
@@ -307,8 +302,7 @@ def main():
     for flag in ("--skip-check", "--no-fla", "--warm"):
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--quick", action="store_true",
-                    help="time only the default configuration and the same with PDL, prep_split or solve_kc toggled")
-    ap.add_argument("--resident", action="store_true", help="with --quick: also the register-resident solves")
+                    help="time only the default configuration and the same with PDL or prep_split toggled")
     args = ap.parse_args()
     t0 = time.time()
     t_end = t0 + args.budget_s
@@ -321,7 +315,7 @@ def main():
             continue
         try:
             bench(n, kind, args.layers, not args.no_fla and kind == "chain", res["bench"],
-                  args.warm, t_end, args.quick, args.resident)
+                  args.warm, t_end, args.quick)
         except Exception as e:  # noqa: BLE001
             res["bench"].append(dict(n=n, kind=kind, error=repr(e)[:400]))
             print("bench failed", n, kind, repr(e)[:400], flush=True)

@@ -3,7 +3,7 @@
     python benchmarks/ptxas_regs.py prep:16:32:3:4 solve:16:16:4:1:64 [--maxnreg 128] [--pdl]
 
 prep:BT:BC:NW:warps[:part] (part 0: one launch, 1: diagonal programs, 2: tiles of a split prep)
-and solve:BT:BV:warps:prefetch:KC[:resident:NPAD] (Qwen3.6-27B shapes: K = V = 128, bf16 q/k/v,
+and solve:BT:BV:warps:prefetch:KC (Qwen3.6-27B shapes: K = V = 128, bf16 q/k/v,
 GV = 3). Triton lowers to PTX for the target without a driver; the ptxas shipped with Triton
 reports registers and spill bytes (`-v`), which decide how many programs fit on an SM.
 """
@@ -50,7 +50,7 @@ def ptxas_report(fn, consts, num_warps, maxnreg=None, num_stages=3):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("specs", nargs="+", help="prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:prefetch:KC[:resident:NPAD]")
+    ap.add_argument("specs", nargs="+", help="prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:prefetch:KC")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap (prep launches)")
     ap.add_argument("--pdl", action="store_true", help="with programmatic dependent launch")
     args = ap.parse_args()
@@ -61,13 +61,12 @@ def main():
             c = dict(NW=v[2], BT=v[0], BK=128, BC=v[1], USE_L2NORM=True, DOT_PREC="tf32", PDL=args.pdl,
                      PART=v[4] if len(v) == 5 else 0)
             print(spec, ptxas_report(tree_gdn_prep_kernel, c, v[3], args.maxnreg), flush=True)
-        elif kind == "solve" and len(v) in (5, 7):
+        elif kind == "solve" and len(v) == 5:
             c = dict(BT=v[0], BK=128, BV=v[1], KC=v[4], STATE_V_FIRST=False, DOT_PREC="tf32",
-                     PREFETCH=bool(v[3]), PDL=args.pdl, RESIDENT=v[5] if len(v) == 7 else 0,
-                     NPAD=v[6] if len(v) == 7 else 128)
+                     PREFETCH=bool(v[3]), PDL=args.pdl)
             print(spec, ptxas_report(tree_gdn_solve_kernel, c, v[2], num_stages=1), flush=True)  # as launched
         else:
-            sys.exit(f"expected prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:prefetch:KC[:resident:NPAD], got {spec!r}")
+            sys.exit(f"expected prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:prefetch:KC, got {spec!r}")
 
 
 if __name__ == "__main__":

@@ -93,15 +93,6 @@ VERIFY_CASES = [
     (3, 24, [24, 9, 5], 2, 4, 16, 16, "random", torch.float32, {"pad_request": 2, "prep_split": True}),
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"prenorm": True, "l2norm": False,
                                                           "prep_split": True}),
-    # the solve with earlier V' kept in registers and the next block's AP / W read ahead
-    (1, 70, [70], 2, 4, 16, 16, "random", torch.float16, {"block_t": 16, "resident": 1}),
-    (1, 70, [70], 2, 4, 16, 16, "random", torch.float16, {"block_t": 16, "resident": 2}),
-    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "resident": 2,
-                                                               "prefetch": False}),
-    (3, 24, [24, 9, 5], 2, 4, 16, 16, "random", torch.float32, {"pad_request": 2, "resident": 1}),
-    (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True, "resident": 2,
-                                                          "prep_split": True}),
-    (1, 16, [16], 2, 4, 16, 16, "chain", torch.float32, {"block_t": 32, "resident": 2}),
     # padding nodes full of NaN must not reach real nodes (prep loads are masked by N, not n)
     (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True}),
     (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True, "prep_split": True}),
@@ -138,7 +129,7 @@ def run_verify(case, seed=0):
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], use_qk_l2norm=l2, state_v_first=vf,
                                precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
                                prefetch=extra.get("prefetch", True), prep_split=extra.get("prep_split"),
-                               solve_kc=extra.get("solve_kc"), solve_resident=extra.get("resident"))
+                               solve_kc=extra.get("solve_kc"))
     assert torch.equal(dpool, before), "verify wrote the committed state"
     if extra.get("nan_padding"):
         for b, n in enumerate(ns):  # the float64 reference reads nothing past n either
@@ -299,9 +290,7 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
                                         (65, "eagle", (32, 16, 4)), (65, "eagle", (64, 64, 8)),
                                         (129, "spine", None), (129, "spine", (16, 16, 4)),
                                         (129, "spine", (32, 64, 8)), (129, "spine", (64, 64, 8)),
-                                        (65, "eagle", "split"), (129, "spine", "split"),
-                                        (65, "eagle", "resident1"), (129, "spine", "resident2"),
-                                        (129, "eagle", "resident1")])
+                                        (65, "eagle", "split"), (129, "spine", "split")])
 def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     """Qwen3.6-27B GDN shape, bf16 inputs, tf32 dots: o within bf16 rounding, commit < 2e-3."""
     gen = torch.Generator().manual_seed(n)
@@ -309,10 +298,9 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num, sidx)]
     dpool = pool.cuda()
-    split, resident = cfg == "split", int(cfg[-1]) if isinstance(cfg, str) and "resident" in cfg else None
-    bt, bv, nw = (None, None, None) if isinstance(cfg, str) or cfg is None else cfg
-    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split,
-                               solve_resident=resident)
+    split = cfg == "split"
+    bt, bv, nw = (None, None, None) if split or cfg is None else cfg
+    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split)
     ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)

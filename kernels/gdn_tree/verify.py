@@ -63,10 +63,9 @@ def load_scales(G, RN, rows, n, i_b, i_hv, i_bh, N, HV, BT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["N", "H", "HV", "NB"])
 def tree_gdn_solve_kernel(
-    q, k, v, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB,
-    NPAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+    q, k, v, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB, NPAD,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    RESIDENT: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -99,27 +98,12 @@ def tree_gdn_solve_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     b_eG, b_rn = load_scales(G, RN, o_r % BT, n, i_b, i_hv, i_bh, N, HV, BT)
-    if RESIDENT:
-        # V' of the blocks done so far stays in registers (rows of later blocks are zero), so no
-        # serial step re-reads it from memory or waits on a barrier. AP_t and W_t do not depend on
-        # the chain: read at the top of the block (RESIDENT == 1, their latency hidden behind the
-        # S0 dot) or one block ahead with the next q/k/v rows (RESIDENT == 2).
-        o_u = tl.arange(0, NPAD)
-        b_u = tl.zeros([NPAD, BV], dtype=tl.float32)                       # [NPAD, BV]
-        b_ap = tl.zeros([2 * BT, NPAD], dtype=tl.float32)                  # block 0: no earlier nodes
-        # (in bounds for every program; unused when n = 0)
-        b_w = tl.load(W + (i_bh * NB * 2 * BT + o_r[:, None]) * 2 * BT + o_r[None, :])
     for i_t in range(0, tl.cdiv(n, BT)):
         rows = i_t * BT + o_r % BT
-        p_blk = (i_bh * NB + i_t) * 2 * BT
         if not PREFETCH:
             b_x, b_beta, b_v = load_rows(q, k, v, beta, rows, n, i_b, i_h, i_hv, N, H, HV, K, V,
                                          o_k, o_v, m_v, BT)
             b_eG, b_rn = load_scales(G, RN, rows, n, i_b, i_hv, i_bh, N, HV, BT)
-        if RESIDENT == 1:
-            b_ap = tl.load(AP + (p_blk + o_r[:, None]) * NPAD + o_u[None, :],
-                           mask=(o_u < i_t * BT)[None, :], other=0.)
-            b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
         b_c = tl.where(m_top, -b_beta, 1.) * b_eG * b_rn
         # [2BT, BV] = [beta (v - e^G rk k S0) ; e^G rq q S0]
         b_y = b_beta[:, None] * b_v + b_c[:, None] * state_dot(b_x, b_sh, b_sl, DOT_PREC)
@@ -127,46 +111,26 @@ def tree_gdn_solve_kernel(
             b_x, b_beta, b_v = load_rows(q, k, v, beta, rows + BT, n, i_b, i_h, i_hv, N, H, HV, K,
                                          V, o_k, o_v, m_v, BT)
             b_eG, b_rn = load_scales(G, RN, rows + BT, n, i_b, i_hv, i_bh, N, HV, BT)
-        if RESIDENT == 2:
-            # block t + 1's rows of AP (its earlier columns) and W, when it exists
-            m_nxt = (i_t + 1) * BT + 0 * o_r < n                            # [2BT], all equal
-            b_ap_nxt = tl.load(AP + (p_blk + 2 * BT + o_r[:, None]) * NPAD + o_u[None, :],
-                               mask=m_nxt[:, None] & (o_u < (i_t + 1) * BT)[None, :], other=0.)
-            b_w_nxt = tl.load(W + (p_blk + 2 * BT + o_r[:, None]) * 2 * BT + o_r[None, :],
-                              mask=m_nxt[:, None], other=0.)
-        if RESIDENT:
-            # [2BT, NPAD] @ [NPAD, BV]: all earlier nodes (later rows of b_u are still zero)
+        p_blk = (i_bh * NB + i_t) * 2 * BT
+        # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
+        for i_c in range(0, tl.cdiv(i_t * BT, KC)):
+            o_c = i_c * KC + tl.arange(0, KC)
+            m_c = o_c < i_t * BT
+            # [2BT, KC] and [KC, BV]; columns of later blocks are masked to zero
+            b_ap = tl.load(AP + (p_blk + o_r[:, None]) * NPAD + o_c[None, :], mask=m_c[None, :],
+                           other=0.)
+            b_u = tl.load(vnew + ((i_b * N + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
+                          mask=m_c[:, None] & m_v[None, :], other=0.)
             b_y -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
-        else:
-            # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
-            for i_c in range(0, tl.cdiv(i_t * BT, KC)):
-                o_c = i_c * KC + tl.arange(0, KC)
-                m_c = o_c < i_t * BT
-                # [2BT, KC] and [KC, BV]; columns of later blocks are masked to zero
-                b_ap = tl.load(AP + (p_blk + o_r[:, None]) * NPAD + o_c[None, :], mask=m_c[None, :],
-                               other=0.)
-                b_uc = tl.load(vnew + ((i_b * N + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
-                               mask=m_c[:, None] & m_v[None, :], other=0.)
-                b_y -= tl.dot(b_ap, b_uc, input_precision=DOT_PREC)
-            b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
         # [2BT, 2BT] @ [2BT, BV] -> [V'_t ; O_t]
+        b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
         b_z = tl.dot(b_w, b_y, input_precision=DOT_PREC)
         p_out = ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :]
         m_st = (rows < N)[:, None] & m_v[None, :]
         tl.store(vnew + p_out, b_z, mask=m_st & m_top[:, None])
         tl.store(o + p_out, b_z.to(o.dtype.element_ty), mask=m_st & (o_r >= BT)[:, None])
-        if RESIDENT:
-            # V'_t (the top half of b_z, copied exactly) into rows t BT .. t BT + BT - 1 of b_u
-            b_vt = tl.sum(tl.where((tl.arange(0, 2) == 0)[:, None, None],
-                                   tl.reshape(b_z, [2, BT, BV]), 0.), 0)     # [BT, BV]
-            b_u3 = tl.reshape(b_u, [NPAD // BT, BT, BV])
-            b_u3 = tl.where((tl.arange(0, NPAD // BT) == i_t)[:, None, None], b_vt[None, :, :], b_u3)
-            b_u = tl.reshape(b_u3, [NPAD, BV])
-            if RESIDENT == 2:
-                b_ap, b_w = b_ap_nxt, b_w_nxt
-        else:
-            # later blocks re-read this block's V' written by other threads of the program
-            tl.debug_barrier()
+        # later blocks re-read this block's V' written by other threads of the program
+        tl.debug_barrier()
     # padding blocks past n
     o_i = tl.arange(0, BT)
     for i_t in range(tl.cdiv(n, BT), tl.cdiv(N, BT)):
@@ -204,14 +168,14 @@ def _config(N):
     (block 32 was 0-10% slower, 64 2-3x slower); capping the prep at 96 registers gained 1% at n = 129.
     """
     return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True,
-                prep_maxnreg=0 if N <= 96 else 96, prep_split=False, solve_kc=128, solve_resident=0)
+                prep_maxnreg=0 if N <= 96 else 96, prep_split=False, solve_kc=128)
 
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
-                    prefetch=None, solve_kc=None, solve_resident=None, prep_warps=None,
-                    prep_maxnreg=None, prep_split=None, pdl=None, stages=("prep", "solve")):
+                    prefetch=None, solve_kc=None, prep_warps=None, prep_maxnreg=None, prep_split=None,
+                    pdl=None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -236,10 +200,6 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         solve_kc: columns of earlier nodes per dot in the solve (a power of 2 >= 16; default
             min(128, padded columns)). ptxas -v: the default solve takes 230 registers at 128
             columns (n > 65 with 16-node blocks, 2 programs per SM) and 161 at 64 (3 per SM).
-        solve_resident: 0: the solve re-reads the V' of earlier blocks from its stash at every
-            block (a memory round trip and a barrier on the serial chain); 1: it keeps them in
-            one [NPAD, BV] register tile and reads each block's AP and W rows at the top of the
-            block; 2: the same, reading them one block ahead. NPAD: padded columns, a power of 2.
         prefetch: the solve reads the next block's q/k/v rows while the current block waits on
             its earlier V' (tuning).
         prep_warps, prep_maxnreg: tuning of the prep launch (warps; register cap, 0 for none,
@@ -292,7 +252,6 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
     prep_split = dflt["prep_split"] if prep_split is None else prep_split
     solve_kc = dflt["solve_kc"] if solve_kc is None else solve_kc
-    solve_resident = dflt["solve_resident"] if solve_resident is None else int(solve_resident)
     pdl = pdl_supported(v.device) if pdl is None else bool(pdl)
     if pdl and not pdl_supported(v.device):
         raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9 and a Triton with "
@@ -301,8 +260,6 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     prep_maxnreg = dflt["prep_maxnreg"] if prep_maxnreg is None else prep_maxnreg
     if BT not in (16, 32, 64):
         raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")
-    if solve_resident not in (0, 1, 2):
-        raise ValueError(f"solve_resident must be 0, 1 or 2, got {solve_resident}")
     for name, x in (("block_c", BC), ("solve_kc", solve_kc)):
         if x < 16 or x & (x - 1):
             raise ValueError(f"{name} must be a power of 2 >= 16, got {x}")
@@ -310,9 +267,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     anc, num_nodes, state_idx = anc.contiguous(), num_nodes.contiguous(), state_idx.contiguous()
     dev, f32 = v.device, torch.float32
     NB = triton.cdiv(N, BT)
-    # columns of the off-diagonal rows: every node of blocks 0 .. NB-2 (at least one block, so
-    # that the resident solve's [NPAD, BV] tile holds whole blocks)
-    NPAD = max(16, BT, triton.next_power_of_2((NB - 1) * BT))
+    # columns of the off-diagonal rows: every node of blocks 0 .. NB-2
+    NPAD = max(16, triton.next_power_of_2((NB - 1) * BT))
     BK = max(16, triton.next_power_of_2(K))
     o = torch.empty_like(v)
     vnew = torch.empty(B, N, HV, V, dtype=f32, device=dev)
@@ -338,7 +294,6 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V,
-            NB, NPAD=NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, solve_kc), STATE_V_FIRST=state_v_first,
-            DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, RESIDENT=solve_resident, num_warps=nw,
-            num_stages=1, **launch)
+            NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, solve_kc), STATE_V_FIRST=state_v_first,
+            DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, num_warps=nw, num_stages=1, **launch)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

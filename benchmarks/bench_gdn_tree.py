@@ -58,12 +58,12 @@ def default_config(n):
 
 def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
-    prep (with and without the register cap) or 64-column solve dots toggled."""
+    prep or the solve's dot width (64 or 128 columns) toggled."""
     if quick:
         d = default_config(n)
-        out = [d, dict(d, pdl=not d["pdl"]), dict(d, prep_split=not d["prep_split"]),
-               dict(d, prep_split=not d["prep_split"], prep_maxnreg=0), dict(d, solve_kc=64),
-               dict(d, solve_kc=64, prep_split=not d["prep_split"], prep_maxnreg=0)]
+        kc = 64 if d["solve_kc"] == 128 else 128
+        out = [d, dict(d, pdl=not d["pdl"]), dict(d, prep_split=not d["prep_split"]), dict(d, solve_kc=kc),
+               dict(d, solve_kc=kc, prep_split=not d["prep_split"])]
         return [c for i, c in enumerate(out) if c not in out[:i]]
     return [c for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 

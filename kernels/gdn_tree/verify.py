@@ -165,10 +165,13 @@ def _config(N):
 
     Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128): 16-node blocks,
     16-wide V tiles, 4 warps, prefetch and 32-column prep tiles were best or within 1% for n = 16..129
-    (block 32 was 0-10% slower, 64 2-3x slower); capping the prep at 96 registers gained 1% at n = 129.
+    (block 32 was 0-10% slower, 64 2-3x slower). 64-column solve dots: equal up to 80 nodes (where
+    the padded columns are at most 64 anyway), 9% faster at 96 (34.4 vs 38.0 us), 8% at 112 and 129.
+    The split prep: 15% slower at 65, 3% at 96, faster from 112 (40.3 vs 42.2 us) to 129 (49.3 vs
+    58.9, with 64-column dots), where the one-launch prep's 165-register programs take 3.5 waves.
     """
-    return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True,
-                prep_maxnreg=0 if N <= 96 else 96, prep_split=False, solve_kc=128)
+    return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True, prep_maxnreg=0,
+                prep_split=N > 96, solve_kc=64)
 
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
@@ -197,9 +200,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         check: validate `parent` on the host when building `anc` (syncs). Default: True.
         block_t, block_v, num_warps: tuning overrides of the solve kernel (block_t in 16, 32, 64).
         block_c: tuning override of the prep kernel's column chunk (a power of 2 >= 16).
-        solve_kc: columns of earlier nodes per dot in the solve (a power of 2 >= 16; default
-            min(128, padded columns)). ptxas -v: the default solve takes 230 registers at 128
-            columns (n > 65 with 16-node blocks, 2 programs per SM) and 161 at 64 (3 per SM).
+        solve_kc: columns of earlier nodes per dot in the solve (a power of 2 >= 16; default 64).
+            ptxas -v: the solve takes 161 registers at 64 columns (3 programs per SM) and 230 at
+            128 (n > 80 with 16-node blocks; 2 per SM).
         prefetch: the solve reads the next block's q/k/v rows while the current block waits on
             its earlier V' (tuning).
         prep_warps, prep_maxnreg: tuning of the prep launch (warps; register cap, 0 for none,
@@ -207,7 +210,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         prep_split: run the prep as two launches, the diagonal programs (which store G and the
             inverse norms) and then the off-diagonal tiles, which read them back instead of
             re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,
-            one more launch). Default: off (not yet timed on a GPU).
+            one more launch). Default: on for N > 96.
         pdl: launch the solve with programmatic dependent launch, so that it starts (reads S0
             and its first rows) while the prep runs. Default: on CUDA devices of compute
             capability >= 9 (Hopper) with a Triton that supports it, off elsewhere and under

@@ -16,19 +16,21 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason
 
 
 @cpu_only
-@pytest.mark.parametrize(("M", "Kc", "Dm", "V", "group", "dtype", "inv_t", "pad", "chunk"), [
-    (1, 1, 16, 20, 1, torch.float32, None, 0.0, 1 << 29),
-    (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29),     # M not a multiple of the group; pads
-    (30, 12, 40, 15, 15, torch.float16, None, 0.1, 1 << 29),  # V < Kc: many duplicates, in rows and groups
-    (45, 7, 70, 300, 16, torch.float32, 1.3, 0.0, 4096),      # Dm over one block; chunks of one group
-    (20, 40, 32, 400, 20, torch.float32, None, 0.05, 1 << 29),  # union over one BU block
+@pytest.mark.parametrize(("M", "Kc", "Dm", "V", "group", "dtype", "inv_t", "pad", "chunk", "tuning"), [
+    (1, 1, 16, 20, 1, torch.float32, None, 0.0, 1 << 29, None),
+    (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, None),     # M not a multiple of the group; pads
+    (30, 12, 40, 15, 15, torch.float16, None, 0.1, 1 << 29, None),  # V < Kc: many duplicates
+    (45, 7, 70, 300, 16, torch.float32, 1.3, 0.0, 4096, None),      # Dm over one block; chunks of one group
+    (20, 40, 32, 400, 20, torch.float32, None, 0.05, 1 << 29, None),  # union over one BU block
+    # other blocks in each pass: the forward's union over 3 blocks of 16, the backward's hidden over 3 of 16
+    (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(fwd_bu=16, fwd_bd=32, bwd_bu=32, bwd_bd=16)),
 ])
-def test_grouped_matches_float64(M, Kc, Dm, V, group, dtype, inv_t, pad, chunk):
+def test_grouped_matches_float64(M, Kc, Dm, V, group, dtype, inv_t, pad, chunk, tuning):
     hidden, weight, cand, bias, w = inputs(M, Kc, Dm, V, dtype, pad, out_of_range_frac=pad / 2)
 
     def ours(h, wt, c, b, inv_t):
         return grouped_candidate_log_probs(h, wt, c, group, bias=b, inv_temperature=inv_t, precision="ieee",
-                                           chunk_bytes=chunk)
+                                           chunk_bytes=chunk, tuning=tuning)
 
     assert_grads_match_float64(ours, hidden, weight, cand, bias, w, dtype, inv_t)
 
@@ -67,6 +69,8 @@ def test_all_pad_row_and_bad_input():
             grouped_candidate_log_probs(hidden, weight, cand, bad)
     with pytest.raises(ValueError, match="expected hidden"):
         grouped_candidate_log_probs(hidden[:, :8], weight, cand, 3)
+    with pytest.raises(ValueError, match="unknown tuning keys"):
+        grouped_candidate_log_probs(hidden, weight, cand, 3, tuning={"block": 32})
 
 
 @gpu_only

@@ -26,10 +26,11 @@ def grouped_scores_kernel(hidden, weight, union, scores, s_hm, s_wv, M, U, Dm, V
                           DOT_PREC: tl.constexpr):
     """scores[g, q, u-block] = hidden[g G + q] . weight[union[g, u]] for q < G (fp32, 0 at pads).
 
-    Grid (groups, cdiv(U, BU)). hidden [M, Dm]; weight [V, Dm]; union int64 [groups, U] (-1 = none);
-    scores fp32 [groups, GQ, U] with GQ >= G a power of 2 >= 16.
+    Grid (cdiv(U, BU), groups): a group's programs run next to each other, so its hidden rows are read
+    from HBM once and from L2 by the others. hidden [M, Dm]; weight [V, Dm]; union int64 [groups, U]
+    (-1 = none); scores fp32 [groups, GQ, U] with GQ >= G a power of 2 >= 16.
     """
-    i_g, i_u = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_u, i_g = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_q = tl.arange(0, GQ)
     rows = i_g * G + o_q
     m_q = (o_q < G) & (rows < M)
@@ -54,9 +55,10 @@ def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, 
                                DOT_PREC: tl.constexpr):
     """dhidden[g G + q, d-block] = sum_u dscores[g, q, u] weight[union[g, u], d-block].
 
-    Grid (groups, cdiv(Dm, BD)). dscores fp32 [groups, GQ, U]; dhidden [M, Dm].
+    Grid (cdiv(Dm, BD), groups): a group's programs run next to each other and share its dscores
+    through L2. dscores fp32 [groups, GQ, U]; dhidden [M, Dm].
     """
-    i_g, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_d, i_g = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_q = tl.arange(0, GQ)
     rows = i_g * G + o_q
     m_q = (o_q < G) & (rows < M)
@@ -100,12 +102,18 @@ def group_union(cand: torch.Tensor, group: int, vocab: int) -> tuple[torch.Tenso
     return union, pos
 
 
-def _config(U: int, Dm: int, group: int):
-    """(GQ, BU, BD, warps): query rows padded to a power of 2 >= 16, union and hidden blocks of up to 64;
-    8 warps from 64 query rows up (ptxas -v for sm_90: no spills at GQ = 128, BU = BD = 64)."""
+def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
+    """Launch parameters: GQ (query rows padded to a power of 2 >= 16), the union and hidden blocks of the
+    forward (fwd_bu, fwd_bd) and of the backward (bwd_bu, bwd_bd), warps and pipeline stages. Default: blocks
+    of up to 64, 8 warps from 64 query rows up (ptxas -v for sm_90: no spills at GQ = 128, BU = BD = 64).
+    `tuning` overrides any of them (benchmarks)."""
     GQ = max(16, triton.next_power_of_2(group))
     BU, BD = min(64, max(16, triton.next_power_of_2(U))), min(64, max(16, triton.next_power_of_2(Dm)))
-    return GQ, BU, BD, 8 if GQ >= 64 else 4
+    cfg = dict(GQ=GQ, fwd_bu=BU, fwd_bd=BD, bwd_bu=BU, bwd_bd=BD, warps=8 if GQ >= 64 else 4, stages=3)
+    unknown = set(tuning or {}) - (set(cfg) - {"GQ"})
+    if unknown:
+        raise ValueError(f"unknown tuning keys {sorted(unknown)}; expected some of {sorted(set(cfg) - {'GQ'})}")
+    return dict(cfg, **(tuning or {}))
 
 
 def _scratch_rows(n: int, group: int, GQ: int, device) -> torch.Tensor:
@@ -116,21 +124,23 @@ def _scratch_rows(n: int, group: int, GQ: int, device) -> torch.Tensor:
 
 class _GroupedCandidateLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, cand, bias, inv_t, group, precision, chunk_bytes):
+    def forward(ctx, hidden, weight, cand, bias, inv_t, group, precision, chunk_bytes, tuning):
         M, Kc = cand.shape
         Dm, V = weight.shape[1], weight.shape[0]
         union, pos = group_union(cand, group, V)
         NG, U = union.shape
-        GQ, BU, BD, nw = _config(U, Dm, group)
+        cfg = _config(U, Dm, group, tuning)
+        GQ = cfg["GQ"]
         chunk = max(1, chunk_bytes // (GQ * U * 4))                          # groups per scratch chunk
         logits = torch.empty(M, Kc, dtype=torch.float32, device=hidden.device)
         for g0 in range(0, NG, chunk):
             g1 = min(NG, g0 + chunk)
             r0, r1 = g0 * group, min(M, g1 * group)
             S = torch.empty(g1 - g0, GQ, U, dtype=torch.float32, device=hidden.device)
-            grouped_scores_kernel[(g1 - g0, triton.cdiv(U, BU))](
+            grouped_scores_kernel[(triton.cdiv(U, cfg["fwd_bu"]), g1 - g0)](
                 hidden[r0:r1], weight, union[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0, U, Dm, V,
-                G=group, GQ=GQ, BU=BU, BD=BD, DOT_PREC=precision, num_warps=nw)
+                G=group, GQ=GQ, BU=cfg["fwd_bu"], BD=cfg["fwd_bd"], DOT_PREC=precision, num_warps=cfg["warps"],
+                num_stages=cfg["stages"])
             srow = _scratch_rows(r1 - r0, group, GQ, hidden.device)
             logits[r0:r1] = S.view(-1)[srow[:, None] * U + pos[r0:r1].clamp(min=0)]
         logits = logits * (1.0 if inv_t is None else inv_t)
@@ -141,7 +151,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
         logprobs = torch.where(pos >= 0, logits - torch.where(torch.isfinite(lse), lse, 0.0), float("-inf"))
         ctx.save_for_backward(weight, union, pos, logprobs)
         ctx.inv_t, ctx.hidden_dtype, ctx.group = inv_t, hidden.dtype, group
-        ctx.cfg, ctx.chunk, ctx.precision = (GQ, BU, BD, nw), chunk, precision
+        ctx.cfg, ctx.chunk, ctx.precision = cfg, chunk, precision
         return logprobs
 
     @staticmethod
@@ -151,7 +161,8 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
         dlogits = g - torch.exp(logprobs) * g.sum(-1, keepdim=True)           # exp(-inf) = 0 at pads
         dhidden = None
         if ctx.needs_input_grad[0]:
-            (GQ, BU, BD, nw), group, chunk = ctx.cfg, ctx.group, ctx.chunk
+            cfg, group, chunk = ctx.cfg, ctx.group, ctx.chunk
+            GQ = cfg["GQ"]
             M, Dm, V = pos.shape[0], weight.shape[1], weight.shape[0]
             NG, U = union.shape
             inv_t = 1.0 if ctx.inv_t is None else ctx.inv_t
@@ -163,18 +174,20 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
                 srow = _scratch_rows(r1 - r0, group, GQ, weight.device)
                 dS.view(-1, U).index_put_((srow[:, None].expand_as(pos[r0:r1]), pos[r0:r1].clamp(min=0)),
                                           dlogits[r0:r1] * inv_t, accumulate=True)      # 0 at pads
-                grouped_hidden_grad_kernel[(g1 - g0, triton.cdiv(Dm, BD))](
+                grouped_hidden_grad_kernel[(triton.cdiv(Dm, cfg["bwd_bd"]), g1 - g0)](
                     dS, weight, union[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
-                    G=group, GQ=GQ, BU=BU, BD=BD, DOT_PREC=ctx.precision, num_warps=nw)
+                    G=group, GQ=GQ, BU=cfg["bwd_bu"], BD=cfg["bwd_bd"], DOT_PREC=ctx.precision,
+                    num_warps=cfg["warps"], num_stages=cfg["stages"])
         dbias = dlogits if ctx.needs_input_grad[3] else None
-        return dhidden, None, None, dbias, None, None, None, None
+        return dhidden, None, None, dbias, None, None, None, None, None
 
 
 # Not traced by torch.compile (it syncs once for the union size and loops over chunks): a clean graph break.
 @torch.compiler.disable
 def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor, group: int,
                                 bias: torch.Tensor | None = None, inv_temperature: float | None = None,
-                                precision: str | None = None, chunk_bytes: int = 1 << 29) -> torch.Tensor:
+                                precision: str | None = None, chunk_bytes: int = 1 << 29,
+                                tuning: dict | None = None) -> torch.Tensor:
     r"""`candidate_log_probs` with each group's distinct LM-head rows read once (gradients for hidden, bias).
 
     Args:
@@ -187,6 +200,7 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
             hidden (as exact as the gather kernels), "tf32" for 16-bit hidden, where it only affects the
             backward's fp32 score-gradient x weight dot (the forward's 16-bit products are exact).
         chunk_bytes: bound on the fp32 score scratch (groups are processed in chunks).
+        tuning: launch-parameter overrides (see `_config`; benchmarks).
     Returns:
         logprobs: fp32 [M, Kc].
     """
@@ -201,4 +215,4 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     precision = precision or ("ieee" if hidden.dtype == torch.float32 else "tf32")
     return _GroupedCandidateLogProbs.apply(hidden, weight, cand, bias, inv_temperature, group, precision,
-                                           chunk_bytes)
+                                           chunk_bytes, tuning)

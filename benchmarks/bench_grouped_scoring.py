@@ -1,0 +1,127 @@
+"""Grouped candidate scoring (training) on a GPU: forward + backward per launch configuration, against the
+gather kernels, and where the time goes.
+
+Qwen3.6-27B LM head (vocab 248320, hidden 5120, bf16), `--rows` anchor rows x 15 depths x 512 candidates
+replayed from real top-512 sets (`benchmarks/data/smollm2_top512.npz`, as `train_bench --candidates
+replay`), bias and bf16 hidden as in the Weaver objective. Per rows-per-group: the union size, the memory
+floor of both passes (2 x distinct ids x hidden x 2 bytes / 4.8 TB/s), the time of each configuration in
+`SWEEP` (median of CUDA-event timed iterations), a kernel-by-kernel profile of the default one, and its
+agreement with the gather kernels.
+
+    python benchmarks/bench_grouped_scoring.py --out out/grouped_scoring.json
+"""
+import argparse
+import statistics
+
+import torch
+from _timing import env_info  # (also puts the repo root on sys.path)
+
+from benchmarks.train_bench import replay_candidates
+from kernels.candidate_logits import candidate_log_probs
+from kernels.candidate_logits.grouped import _config, group_union, grouped_candidate_log_probs
+from tfm_runtime.io import atomic_write_json
+
+V, D, L, K = 248320, 5120, 15, 512
+# overrides of kernels.candidate_logits.grouped._config: forward union / hidden blocks, backward union /
+# hidden blocks, warps, stages (ptxas -v for sm_90 at GQ=128: fwd 64x64 255 registers, 128x32 215, no
+# spills; bwd 64x64 192, 64x128 232, 32x128 186, 32x256 255, no spills)
+SWEEP = [{}, dict(fwd_bu=128, fwd_bd=32), dict(bwd_bd=128), dict(bwd_bu=32, bwd_bd=128),
+         dict(bwd_bu=32, bwd_bd=256), dict(fwd_bu=128, fwd_bd=32, bwd_bu=32, bwd_bd=128), dict(stages=2),
+         dict(stages=4)]
+
+
+def fwd_bwd(fn, q):
+    q.grad = None
+    fn().sum().backward()
+
+
+def timed_ms(fn, q, iters):
+    for _ in range(2):
+        fwd_bwd(fn, q)
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fwd_bwd(fn, q)
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def profile(fn, q, iters=3):
+    """CUDA time per iteration by kernel name (the top 12), in ms."""
+    from torch.profiler import ProfilerActivity
+    fwd_bwd(fn, q)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fwd_bwd(fn, q)
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
+    return {e.key[:90]: round(e.device_time_total / iters / 1e3, 3) for e in rows}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=1024, help="anchor rows (each 15 depths x 512 candidates)")
+    ap.add_argument("--groups", type=int, nargs="+", default=[4, 8], help="anchor rows per group")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    weight = (torch.randn(V, D, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+    M = args.rows * L
+    cand = replay_candidates(args.rows, L, K, V, seed=1).reshape(M, K).to(dev)
+    q = torch.randn(M, D, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_()
+    bias = torch.randn(M, K, generator=g, device=dev)
+    res = dict(meta=dict(env_info(), rows=args.rows, L=L, K=K, vocab=V, hidden=D), gather={}, grouped=[])
+
+    def gather():
+        return candidate_log_probs(q, weight, cand, bias=bias)
+    res["gather"] = dict(ms=timed_ms(gather, q, args.iters),
+                         floor_ms=2 * M * K * D * 2 / 4.8e12 * 1e3, profile=profile(gather, q))
+    lp_ref = gather().detach()
+    lp_ref.sum().backward()
+    dh_ref = q.grad.float().clone()
+    print(f"gather: {res['gather']['ms']:.2f} ms (floor {res['gather']['floor_ms']:.2f})", flush=True)
+    for rows in args.groups:
+        G = rows * L
+        union, _ = group_union(cand, G, V)
+        distinct = int((union >= 0).sum())
+        row = dict(rows_per_group=rows, query_rows=G, union_max=union.shape[1], distinct_fraction=distinct / (M * K),
+                   floor_ms=2 * distinct * D * 2 / 4.8e12 * 1e3, default=_config(union.shape[1], D, G), configs=[])
+        for tuning in SWEEP:
+            def fn(tuning=tuning):
+                return grouped_candidate_log_probs(q, weight, cand, G, bias=bias, tuning=tuning)
+            try:
+                ms = timed_ms(fn, q, args.iters)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is recorded
+                row["configs"].append(dict(tuning=tuning, error=repr(e)[:300]))
+                continue
+            row["configs"].append(dict(tuning=tuning, ms=ms))
+            print(f"group {rows}: {tuning} {ms:.2f} ms", flush=True)
+        fn = lambda: grouped_candidate_log_probs(q, weight, cand, G, bias=bias)  # noqa: E731
+        row["profile_default"] = profile(fn, q)
+        lp = fn()
+        fin = torch.isfinite(lp_ref)
+        q.grad = None
+        lp.sum().backward()
+        row["vs_gather"] = dict(
+            same_finite=bool(torch.equal(fin, torch.isfinite(lp))),
+            max_abs_logprob=float((lp.detach()[fin] - lp_ref[fin]).abs().max()),
+            rel_dhidden=float((q.grad.float() - dh_ref).norm() / dh_ref.norm()))
+        res["grouped"].append(row)
+        atomic_write_json(args.out, res)
+    atomic_write_json(args.out, res)
+    print(f"\n{'group':>5} {'U':>6} {'dist':>5} {'floor':>6} {'best':>7} {'default':>8} {'gather':>7}  best tuning")
+    for r in res["grouped"]:
+        ok = [c for c in r["configs"] if "ms" in c]
+        best = min(ok, key=lambda c: c["ms"])
+        print(f"{r['rows_per_group']:>5} {r['union_max']:>6} {r['distinct_fraction']:>5.3f} {r['floor_ms']:>6.2f} "
+              f"{best['ms']:>7.2f} {ok[0]['ms']:>8.2f} {res['gather']['ms']:>7.2f}  {best['tuning']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -22,12 +22,11 @@ from kernels.candidate_logits.grouped import _config, group_union, grouped_candi
 from tfm_runtime.io import atomic_write_json
 
 V, D, L, K = 248320, 5120, 15, 512
-# overrides of kernels.candidate_logits.grouped._config: forward union / hidden blocks, backward union /
-# hidden blocks, warps, stages (ptxas -v for sm_90 at GQ=128: fwd 64x64 255 registers, 128x32 215, no
-# spills; bwd 64x64 192, 64x128 232, 32x128 186, 32x256 255, no spills)
-SWEEP = [{}, dict(fwd_bu=128, fwd_bd=32), dict(bwd_bd=128), dict(bwd_bu=32, bwd_bd=128),
-         dict(bwd_bu=32, bwd_bd=256), dict(fwd_bu=128, fwd_bd=32, bwd_bu=32, bwd_bd=128), dict(stages=2),
-         dict(stages=4)]
+# overrides of kernels.candidate_logits.grouped._config (forward union / hidden blocks, backward union / hidden
+# blocks, warps, stages; ptxas -v for sm_90 at GQ=128, fp32 score gradient: fwd 64x64 255 registers, 128x32 215,
+# bwd 64x64 192, 64x128 232, 32x128 186, no spills), and "precision" of the backward dot ("bf16" by default here)
+SWEEP = [{}, dict(bwd_bd=128), dict(bwd_bu=32, bwd_bd=128), dict(bwd_bu=128), dict(fwd_bu=128, fwd_bd=32),
+         dict(stages=4), dict(bwd_bd=128, stages=4), dict(precision="tf32"), dict(precision="tf32", bwd_bd=128)]
 
 
 def fwd_bwd(fn, q):
@@ -82,8 +81,10 @@ def main():
         return candidate_log_probs(q, weight, cand, bias=bias)
     res["gather"] = dict(ms=timed_ms(gather, q, args.iters),
                          floor_ms=2 * M * K * D * 2 / 4.8e12 * 1e3, profile=profile(gather, q))
-    lp_ref = gather().detach()
+    q.grad = None
+    lp_ref = gather()
     lp_ref.sum().backward()
+    lp_ref = lp_ref.detach()
     dh_ref = q.grad.float().clone()
     print(f"gather: {res['gather']['ms']:.2f} ms (floor {res['gather']['floor_ms']:.2f})", flush=True)
     for rows in args.groups:
@@ -94,7 +95,9 @@ def main():
                    floor_ms=2 * distinct * D * 2 / 4.8e12 * 1e3, default=_config(union.shape[1], D, G), configs=[])
         for tuning in SWEEP:
             def fn(tuning=tuning):
-                return grouped_candidate_log_probs(q, weight, cand, G, bias=bias, tuning=tuning)
+                t = dict(tuning)
+                return grouped_candidate_log_probs(q, weight, cand, G, bias=bias, precision=t.pop("precision", None),
+                                                   tuning=t)
             try:
                 ms = timed_ms(fn, q, args.iters)
             except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is recorded

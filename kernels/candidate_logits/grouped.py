@@ -13,7 +13,8 @@ are read once and scored against all G queries with a tensor-core dot:
     dhidden[g G + q] = sum_u dS[g, q, u] weight[union[g, u]]                  (`grouped_hidden_grad_kernel`)
 
 Weight traffic per pass: NG*U*Dm instead of M*Kc*Dm; the price is a dense fp32 [G, U] score (and gradient)
-scratch per group, 4*G*U bytes, processed in chunks of groups. Untimed on a GPU so far (see the README).
+scratch per group, 4*G*U bytes, processed in chunks of groups. H200 timings: benchmarks/bench_grouped_scoring.py
+and the README.
 """
 import torch
 import triton
@@ -55,6 +56,8 @@ def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, 
                                DOT_PREC: tl.constexpr):
     """dhidden[g G + q, d-block] = sum_u dscores[g, q, u] weight[union[g, u], d-block].
 
+    dscores fp32 (an fp32 dot of `DOT_PREC`) or of the weight's 16-bit dtype (a 16-bit dot, fp32 sums).
+
     Grid (cdiv(Dm, BD), groups): a group's programs run next to each other and share its dscores
     through L2. dscores fp32 [groups, GQ, U]; dhidden [M, Dm].
     """
@@ -70,10 +73,13 @@ def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, 
         ids = tl.load(union + i_g * U + o_u, mask=o_u < U, other=-1)
         valid = (ids >= 0) & (ids < V)
         b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
-                      mask=valid[:, None] & m_d[None, :], other=0.).to(tl.float32)      # [BU, BD]
+                      mask=valid[:, None] & m_d[None, :], other=0.)                     # [BU, BD]
         b_s = tl.load(dscores + (i_g * GQ + o_q[:, None]) * U + o_u[None, :],
                       mask=(o_u < U)[None, :], other=0.)                                # [GQ, BU]
-        acc += tl.dot(b_s, b_w, input_precision=DOT_PREC)
+        if dscores.dtype.element_ty == tl.float32:
+            acc += tl.dot(b_s, b_w.to(tl.float32), input_precision=DOT_PREC)
+        else:
+            acc += tl.dot(b_s, b_w)
     tl.store(dhidden + rows[:, None] * Dm + o_d[None, :], acc.to(dhidden.dtype.element_ty),
              mask=m_q[:, None] & m_d[None, :])
 
@@ -116,6 +122,12 @@ def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     return dict(cfg, **(tuning or {}))
 
 
+def _dot_prec(precision: str) -> str:
+    """`tl.dot` input precision of the fp32 dots: "bf16" mode has none in the backward and 16-bit
+    products in the forward, where any setting is exact."""
+    return "tf32" if precision == "bf16" else precision
+
+
 def _scratch_rows(n: int, group: int, GQ: int, device) -> torch.Tensor:
     """[n] row of the flattened [groups, GQ, U] scratch for each of n consecutive query rows."""
     q = torch.arange(n, device=device)
@@ -139,7 +151,8 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
             S = torch.empty(g1 - g0, GQ, U, dtype=torch.float32, device=hidden.device)
             grouped_scores_kernel[(triton.cdiv(U, cfg["fwd_bu"]), g1 - g0)](
                 hidden[r0:r1], weight, union[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0, U, Dm, V,
-                G=group, GQ=GQ, BU=cfg["fwd_bu"], BD=cfg["fwd_bd"], DOT_PREC=precision, num_warps=cfg["warps"],
+                G=group, GQ=GQ, BU=cfg["fwd_bu"], BD=cfg["fwd_bd"], DOT_PREC=_dot_prec(precision),
+                num_warps=cfg["warps"],
                 num_stages=cfg["stages"])
             srow = _scratch_rows(r1 - r0, group, GQ, hidden.device)
             logits[r0:r1] = S.view(-1)[srow[:, None] * U + pos[r0:r1].clamp(min=0)]
@@ -174,9 +187,11 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
                 srow = _scratch_rows(r1 - r0, group, GQ, weight.device)
                 dS.view(-1, U).index_put_((srow[:, None].expand_as(pos[r0:r1]), pos[r0:r1].clamp(min=0)),
                                           dlogits[r0:r1] * inv_t, accumulate=True)      # 0 at pads
+                if ctx.precision == "bf16":
+                    dS = dS.to(torch.bfloat16)                  # summed in fp32, then rounded once
                 grouped_hidden_grad_kernel[(triton.cdiv(Dm, cfg["bwd_bd"]), g1 - g0)](
                     dS, weight, union[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
-                    G=group, GQ=GQ, BU=cfg["bwd_bu"], BD=cfg["bwd_bd"], DOT_PREC=ctx.precision,
+                    G=group, GQ=GQ, BU=cfg["bwd_bu"], BD=cfg["bwd_bd"], DOT_PREC=_dot_prec(ctx.precision),
                     num_warps=cfg["warps"], num_stages=cfg["stages"])
         dbias = dlogits if ctx.needs_input_grad[3] else None
         return dhidden, None, None, dbias, None, None, None, None, None
@@ -196,9 +211,12 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
         cand: int [M, Kc]; ids < 0 or >= Vocab are pads (-inf, no gradient). Duplicates are separate entries.
         group: query rows per group, 1 to 128 (Weaver: anchors per group x L).
         bias: fp32 [M, Kc] or None, added after the temperature.  inv_temperature: None (= 1) or a float.
-        precision: `tl.dot` input precision for fp32 operands, "tf32" | "ieee". Default: "ieee" for fp32
-            hidden (as exact as the gather kernels), "tf32" for 16-bit hidden, where it only affects the
-            backward's fp32 score-gradient x weight dot (the forward's 16-bit products are exact).
+        precision: the backward's score-gradient x weight dot: "ieee" (fp32), "tf32" (fp32 gradients,
+            tf32 dot) or "bf16" (gradients summed in fp32 and rounded to bf16 once, then a bf16 dot at the
+            tensor cores' full rate, as the backward of a bf16 linear layer does; needs a bf16 weight
+            and 16-bit hidden); for fp32 hidden also the forward's dot. Default: "ieee" for fp32 hidden (as exact as the
+            gather kernels), "bf16" for 16-bit hidden with a bf16 weight, else "tf32". The forward's
+            16-bit products are exact in every mode.
         chunk_bytes: bound on the fp32 score scratch (groups are processed in chunks).
         tuning: launch-parameter overrides (see `_config`; benchmarks).
     Returns:
@@ -213,6 +231,11 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
                          f"{tuple(weight.shape)}, {tuple(cand.shape)}")
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    precision = precision or ("ieee" if hidden.dtype == torch.float32 else "tf32")
+    precision = precision or ("ieee" if hidden.dtype == torch.float32 else
+                              "bf16" if weight.dtype == torch.bfloat16 else "tf32")
+    if precision not in ("ieee", "tf32", "bf16") or (precision == "bf16" and (
+            weight.dtype != torch.bfloat16 or hidden.dtype == torch.float32)):
+        raise ValueError(f"precision must be 'ieee', 'tf32' or 'bf16' (bf16 needs a bf16 weight and 16-bit "
+                         f"hidden), got {precision!r} with {hidden.dtype} hidden and a {weight.dtype} weight")
     return _GroupedCandidateLogProbs.apply(hidden, weight, cand, bias, inv_temperature, group, precision,
                                            chunk_bytes, tuning)

@@ -25,8 +25,9 @@ V, D, L, K = 248320, 5120, 15, 512
 # overrides of kernels.candidate_logits.grouped._config (forward union / hidden blocks, backward union / hidden
 # blocks, warps, stages; ptxas -v for sm_90 at GQ=128, fp32 score gradient: fwd 64x64 255 registers, 128x32 215,
 # bwd 64x64 192, 64x128 232, 32x128 186, no spills), and "precision" of the backward dot ("bf16" by default here)
-SWEEP = [{}, dict(bwd_bd=128), dict(bwd_bu=32, bwd_bd=128), dict(bwd_bu=128), dict(fwd_bu=128, fwd_bd=32),
-         dict(stages=4), dict(bwd_bd=128, stages=4), dict(precision="tf32"), dict(precision="tf32", bwd_bd=128)]
+SWEEP = [{}, dict(bwd_bd=128), dict(bwd_bu=32, bwd_bd=128), dict(bwd_bd=128, bwd_ids_ahead=True),
+         dict(bwd_bu=32, bwd_bd=128, bwd_ids_ahead=True), dict(bwd_ids_ahead=True), dict(bwd_gather=True),
+         dict(bwd_bd=128, stages=4, bwd_ids_ahead=True)]
 
 
 def fwd_bwd(fn, q):

@@ -24,6 +24,9 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason
     (20, 40, 32, 400, 20, torch.float32, None, 0.05, 1 << 29, None),  # union over one BU block
     # other blocks in each pass: the forward's union over 3 blocks of 16, the backward's hidden over 3 of 16
     (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(fwd_bu=16, fwd_bd=32, bwd_bu=32, bwd_bd=16)),
+    # the next union block's ids read ahead in the backward; the backward through the gather kernel
+    (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(bwd_bu=16, bwd_ids_ahead=True)),
+    (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, dict(bwd_gather=True)),
 ])
 def test_grouped_matches_float64(M, Kc, Dm, V, group, dtype, inv_t, pad, chunk, tuning):
     hidden, weight, cand, bias, w = inputs(M, Kc, Dm, V, dtype, pad, out_of_range_frac=pad / 2)

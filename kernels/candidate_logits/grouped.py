@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .grad import candidate_hidden_grad
+
 
 @triton.jit
 def grouped_scores_kernel(hidden, weight, union, scores, s_hm, s_wv, M, U, Dm, V,
@@ -53,13 +55,14 @@ def grouped_scores_kernel(hidden, weight, union, scores, s_hm, s_wv, M, U, Dm, V
 @triton.jit
 def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, V,
                                G: tl.constexpr, GQ: tl.constexpr, BU: tl.constexpr, BD: tl.constexpr,
-                               DOT_PREC: tl.constexpr):
+                               DOT_PREC: tl.constexpr, IDS_AHEAD: tl.constexpr):
     """dhidden[g G + q, d-block] = sum_u dscores[g, q, u] weight[union[g, u], d-block].
 
     dscores fp32 (an fp32 dot of `DOT_PREC`) or of the weight's 16-bit dtype (a 16-bit dot, fp32 sums).
 
     Grid (cdiv(Dm, BD), groups): a group's programs run next to each other and share its dscores
-    through L2. dscores fp32 [groups, GQ, U]; dhidden [M, Dm].
+    through L2. dscores fp32 [groups, GQ, U]; dhidden [M, Dm]. IDS_AHEAD: the next block's union ids are
+    read before this block's weight rows, so the rows' addresses do not wait on a load in the same step.
     """
     i_d, i_g = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_q = tl.arange(0, GQ)
@@ -68,9 +71,15 @@ def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, 
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < Dm
     acc = tl.zeros([GQ, BD], dtype=tl.float32)
+    if IDS_AHEAD:
+        ids_next = tl.load(union + i_g * U + tl.arange(0, BU), mask=tl.arange(0, BU) < U, other=-1)
     for u0 in range(0, U, BU):
         o_u = u0 + tl.arange(0, BU)
-        ids = tl.load(union + i_g * U + o_u, mask=o_u < U, other=-1)
+        if IDS_AHEAD:
+            ids = ids_next
+            ids_next = tl.load(union + i_g * U + o_u + BU, mask=o_u + BU < U, other=-1)
+        else:
+            ids = tl.load(union + i_g * U + o_u, mask=o_u < U, other=-1)
         valid = (ids >= 0) & (ids < V)
         b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
                       mask=valid[:, None] & m_d[None, :], other=0.)                     # [BU, BD]
@@ -111,11 +120,14 @@ def group_union(cand: torch.Tensor, group: int, vocab: int) -> tuple[torch.Tenso
 def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     """Launch parameters: GQ (query rows padded to a power of 2 >= 16), the union and hidden blocks of the
     forward (fwd_bu, fwd_bd) and of the backward (bwd_bu, bwd_bd), warps and pipeline stages. Default: blocks
-    of up to 64, 8 warps from 64 query rows up (ptxas -v for sm_90: no spills at GQ = 128, BU = BD = 64).
+    of up to 64, 8 warps from 64 query rows up (ptxas -v for sm_90: no spills at GQ = 128, BU = BD = 64);
+    bwd_ids_ahead: see `grouped_hidden_grad_kernel`; bwd_gather: the backward through the per-candidate
+    gather kernel (`candidate_hidden_grad`) instead of the union.
     `tuning` overrides any of them (benchmarks)."""
     GQ = max(16, triton.next_power_of_2(group))
     BU, BD = min(64, max(16, triton.next_power_of_2(U))), min(64, max(16, triton.next_power_of_2(Dm)))
-    cfg = dict(GQ=GQ, fwd_bu=BU, fwd_bd=BD, bwd_bu=BU, bwd_bd=BD, warps=8 if GQ >= 64 else 4, stages=3)
+    cfg = dict(GQ=GQ, fwd_bu=BU, fwd_bd=BD, bwd_bu=BU, bwd_bd=BD, warps=8 if GQ >= 64 else 4, stages=3,
+               bwd_ids_ahead=False, bwd_gather=False)
     unknown = set(tuning or {}) - (set(cfg) - {"GQ"})
     if unknown:
         raise ValueError(f"unknown tuning keys {sorted(unknown)}; expected some of {sorted(set(cfg) - {'GQ'})}")
@@ -162,18 +174,21 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
         logits = logits.masked_fill(pos < 0, float("-inf"))
         lse = torch.logsumexp(logits, -1, keepdim=True)
         logprobs = torch.where(pos >= 0, logits - torch.where(torch.isfinite(lse), lse, 0.0), float("-inf"))
-        ctx.save_for_backward(weight, union, pos, logprobs)
+        ctx.save_for_backward(weight, union, pos, logprobs, cand)
         ctx.inv_t, ctx.hidden_dtype, ctx.group = inv_t, hidden.dtype, group
         ctx.cfg, ctx.chunk, ctx.precision = cfg, chunk, precision
         return logprobs
 
     @staticmethod
     def backward(ctx, g):
-        weight, union, pos, logprobs = ctx.saved_tensors
+        weight, union, pos, logprobs, cand = ctx.saved_tensors
         g = torch.where(pos >= 0, g.float(), 0.0)
         dlogits = g - torch.exp(logprobs) * g.sum(-1, keepdim=True)           # exp(-inf) = 0 at pads
         dhidden = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.cfg["bwd_gather"]:
+            inv_t = 1.0 if ctx.inv_t is None else ctx.inv_t
+            dhidden = candidate_hidden_grad(dlogits.contiguous(), weight, cand, inv_t, ctx.hidden_dtype)
+        elif ctx.needs_input_grad[0]:
             cfg, group, chunk = ctx.cfg, ctx.group, ctx.chunk
             GQ = cfg["GQ"]
             M, Dm, V = pos.shape[0], weight.shape[1], weight.shape[0]
@@ -192,7 +207,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
                 grouped_hidden_grad_kernel[(triton.cdiv(Dm, cfg["bwd_bd"]), g1 - g0)](
                     dS, weight, union[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
                     G=group, GQ=GQ, BU=cfg["bwd_bu"], BD=cfg["bwd_bd"], DOT_PREC=_dot_prec(ctx.precision),
-                    num_warps=cfg["warps"], num_stages=cfg["stages"])
+                    IDS_AHEAD=cfg["bwd_ids_ahead"], num_warps=cfg["warps"], num_stages=cfg["stages"])
         dbias = dlogits if ctx.needs_input_grad[3] else None
         return dhidden, None, None, dbias, None, None, None, None, None
 

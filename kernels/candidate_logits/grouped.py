@@ -124,7 +124,7 @@ def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     (`candidate_hidden_grad`) instead of the union. Default: blocks of up to 64 (128 for the backward's hidden),
     8 warps from 64 query rows up, and the gather backward. H200, Qwen3.6-27B head, 1024 rows x 15 x 512
     replayed candidates, forward + backward (benchmarks/results/grouped_scoring_h200.json): 4 rows per group
-    22.8 ms with the gather backward, 23.9 with the union's (ids ahead; 31.7 without), gather kernels 25.5."""
+    22.8 ms with the gather backward, 23.9 with the union's (ids ahead; 31.7 without), gather kernels 25.5.
     `tuning` overrides any of them (benchmarks)."""
     GQ = max(16, triton.next_power_of_2(group))
     BU, BD = min(64, max(16, triton.next_power_of_2(U))), min(64, max(16, triton.next_power_of_2(Dm)))

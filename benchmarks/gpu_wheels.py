@@ -1,11 +1,13 @@
 """Install the carried wheels (.whl/) that the GPU image lacks, or has too old, into one folder.
 
     python3 benchmarks/gpu_wheels.py /root/site && export PYTHONPATH=/root/site:$PYTHONPATH
+    python3 benchmarks/gpu_wheels.py /root/site deepspeed transformers   # only these imports must work
 
 The device machine reaches no package registry (see the device tool's README): wheels travel with the working
 tree, downloaded here with `pip download --no-deps --python-version 3.12 ...`. A wheel is installed only when
 its distribution is missing or older than MIN_VERSION asks, so the image's own builds (torch, triton, numpy)
-are never shadowed. Prints what it installed; exits 1 when a required import still fails.
+are never shadowed. Prints what it installed; exits 1 when a required import (by default CHECK_IMPORTS, or
+the modules named after the folder: a session that carries only some wheels) still fails.
 """
 import glob
 import importlib.metadata as md
@@ -29,7 +31,7 @@ def needed(dist: str, version: str) -> bool:
     return floor is not None and Version(have) < Version(floor)
 
 
-def main(site: str) -> int:
+def main(site: str, check: list[str]) -> int:
     wheels = sorted(glob.glob(".whl/*.whl"))
     todo = []
     for w in wheels:
@@ -43,12 +45,13 @@ def main(site: str) -> int:
     # a fresh interpreter: this one cached the folder as missing when PYTHONPATH named it before it existed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])}
     bad = 0
-    for mod in CHECK_IMPORTS:
+    for mod in check:
         r = subprocess.run([sys.executable, "-c", f"import {mod}"], env=env, capture_output=True, text=True)
         if r.returncode:
             print(f"import {mod} failed: {r.stderr.strip().splitlines()[-1:]}")
             bad = 1
     return bad
 
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "/root/site"))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "/root/site", sys.argv[2:] or CHECK_IMPORTS))

@@ -18,7 +18,7 @@ OUT=${OUT:-out}
 GPUS=${GPUS:-1}
 mkdir -p "$OUT" /tmp/logs
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" NCCL_NVLS_ENABLE=0
-python3 benchmarks/gpu_wheels.py /root/site >"$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
+python3 benchmarks/gpu_wheels.py /root/site deepspeed transformers >"$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_candidate_logits_grad.py \
   tests/test_kernels_candidate_logits.py >"$OUT/tests.log" 2>&1; tail -2 "$OUT/tests.log"

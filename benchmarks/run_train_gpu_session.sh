@@ -5,9 +5,11 @@
 #   OUT=out GPUS=2 TFM_GIT_REV=... bash benchmarks/run_train_gpu_session.sh                    # 1 GPU, then 2
 #   OUT=out SCORING=1 TFM_GIT_REV=... bash benchmarks/run_train_gpu_session.sh   # gather vs grouped scoring only
 #
-# SCORING=1: the grouped candidate scoring against the gather kernels at 1024 rows per step (compiled), on
-# uniform candidates and on candidate sets replayed from a real model (benchmarks/data/smollm2_top512.npz);
-# RUNS='replay grouped 4;uniform grouped 8' picks other (candidates scoring [rows per group]) runs. ~9 minutes.
+# SCORING=1: the grouped candidate scoring alone (benchmarks/bench_grouped_scoring.py: configurations, kernel
+# profile), then training steps at 1024 rows (compiled) with it and with the gather kernels, on candidate sets
+# replayed from a real model (benchmarks/data/smollm2_top512.npz); RUNS='uniform gather;replay grouped 8' picks
+# other (candidates scoring [rows per group]) runs; PROFILE=1 adds the CUDA kernel table of 3 steps to each
+# run's $OUT/<run>.stdout (where the ~36 ms of the step outside the scoring go). ~6 minutes.
 #
 # Weaver at the Qwen3.6-27B preset (56.7M parameters, hidden 5120, vocab 248320, 15 depths x 512 candidates)
 # under DeepSpeed ZeRO-2 bf16, synthetic rows; global batches 64/128/256 on one GPU, then (GPUS=2) the same
@@ -25,13 +27,15 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_candidat
 if [ "${SCORING:-0}" = 1 ]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_candidate_logits_grouped.py \
     >"$OUT/tests_grouped.log" 2>&1; tail -2 "$OUT/tests_grouped.log"
-  IFS=';' read -ra R <<<"${RUNS:-replay grouped 8;replay gather;uniform gather}"
+  timeout 200 python3 benchmarks/bench_grouped_scoring.py --out "$OUT/grouped_scoring.json" \
+    >"$OUT/grouped_scoring.log" 2>&1; tail -4 "$OUT/grouped_scoring.log"
+  IFS=';' read -ra R <<<"${RUNS:-replay grouped 4;replay gather}"
   for run in "${R[@]}"; do
     set -- $run
     name="train_gb1024_$1_$2${3:+_$3}"
     timeout 170 python3 -m benchmarks.train_bench --preset qwen36_27b --global-batch 1024 --steps 10 --warmup 3 \
-      --compile --candidates "$1" --step-scoring "$2" --score-group "${3:-8}" --out "$OUT/$name.json" \
-      2>/tmp/logs/$name.err | tail -1 || tail -5 /tmp/logs/$name.err
+      --compile --candidates "$1" --step-scoring "$2" --score-group "${3:-4}" --out "$OUT/$name.json" \
+      ${PROFILE:+--profile} 2>/tmp/logs/$name.err | tee "$OUT/$name.stdout" | tail -1 || tail -5 /tmp/logs/$name.err
   done
   exit 0
 fi

@@ -9,7 +9,8 @@
 # profile), then training steps at 1024 rows (compiled) with it and with the gather kernels, on candidate sets
 # replayed from a real model (benchmarks/data/smollm2_top512.npz); RUNS='uniform gather;replay grouped 8' picks
 # other (candidates scoring [rows per group]) runs; PROFILE=1 adds the CUDA kernel table of 3 steps to each
-# run's $OUT/<run>.stdout (where the ~36 ms of the step outside the scoring go). ~6 minutes.
+# run's $OUT/<run>.stdout (where the ~36 ms of the step outside the scoring go); COMPILE_MODE=reduce-overhead
+# (CUDA graphs) or max-autotune-no-cudagraphs picks the torch.compile mode. ~6 minutes.
 #
 # Weaver at the Qwen3.6-27B preset (56.7M parameters, hidden 5120, vocab 248320, 15 depths x 512 candidates)
 # under DeepSpeed ZeRO-2 bf16, synthetic rows; global batches 64/128/256 on one GPU, then (GPUS=2) the same
@@ -34,7 +35,7 @@ if [ "${SCORING:-0}" = 1 ]; then
     set -- $run
     name="train_gb1024_$1_$2${3:+_$3}"
     timeout 170 python3 -m benchmarks.train_bench --preset qwen36_27b --global-batch 1024 --steps 10 --warmup 3 \
-      --compile --candidates "$1" --step-scoring "$2" --score-group "${3:-4}" --out "$OUT/$name.json" \
+      --compile --compile-mode "${COMPILE_MODE:-default}" --candidates "$1" --step-scoring "$2" --score-group "${3:-4}" --out "$OUT/$name.json" \
       ${PROFILE:+--profile} 2>/tmp/logs/$name.err | tee "$OUT/$name.stdout" | tail -1 || tail -5 /tmp/logs/$name.err
   done
   exit 0

@@ -137,6 +137,9 @@ def main(argv=None) -> dict:
                     help="candidate scoring inside the training step: per-candidate gathers, or grouped "
                          "(--score-group rows per group; the train config's score_group_rows)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the objective's forward (as the train config's compile: auto does on GPU)")
+    ap.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                    default="default", help="torch.compile mode with --compile (reduce-overhead: CUDA graphs for the "
+                                            "compiled parts of the step)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of 3 profiled steps (rank 0)")
     ap.add_argument("--out", help="write the JSON result here (rank 0)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -177,7 +180,7 @@ def main(argv=None) -> dict:
     if args.step_scoring == "grouped":
         obj.weaver.candidate_group_rows = args.score_group
     if args.compile:
-        obj.forward = torch.compile(obj.forward)
+        obj.forward = torch.compile(obj.forward, mode=args.compile_mode)
     opt = torch.optim.AdamW(obj.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
     ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "train_batch_size": args.global_batch, "gradient_clipping": 1.0,
@@ -228,6 +231,7 @@ def main(argv=None) -> dict:
               "world_size": world, "global_batch": args.global_batch, "micro_batch_per_rank": micro,
               "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32", "candidate_scores": scores,
               "candidates": args.candidates, "step_scoring": args.step_scoring, "compiled": args.compile,
+              "compile_mode": args.compile_mode if args.compile else None,
               "median_step_s": step_s, "samples_per_s": args.global_batch / step_s,
               "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),
               "flops_per_sample": flops_per_row(wcfg), "candidate_scoring_fwd_bwd": score,

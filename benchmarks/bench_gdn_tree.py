@@ -58,12 +58,14 @@ def default_config(n):
 
 def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
-    prep or the solve's dot width (64 or 128 columns) toggled."""
+    prep or the solve's dot width (64 or 128 columns) toggled, and above 96 nodes 32-node blocks."""
     if quick:
         d = default_config(n)
         kc = 64 if d["solve_kc"] == 128 else 128
         out = [d, dict(d, pdl=not d["pdl"]), dict(d, prep_split=not d["prep_split"]), dict(d, solve_kc=kc),
                dict(d, solve_kc=kc, prep_split=not d["prep_split"])]
+        if n > 96:  # half as many serial solve blocks (not timed with 64-column dots and the split prep yet)
+            out += [dict(d, block_t=32), dict(d, block_t=32, num_warps=8)]
         return [c for i, c in enumerate(out) if c not in out[:i]]
     return [c for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 

@@ -61,7 +61,7 @@ def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, 
     dscores fp32 (an fp32 dot of `DOT_PREC`) or of the weight's 16-bit dtype (a 16-bit dot, fp32 sums).
 
     Grid (cdiv(Dm, BD), groups): a group's programs run next to each other and share its dscores
-    through L2. dscores fp32 [groups, GQ, U]; dhidden [M, Dm]. IDS_AHEAD: the next block's union ids are
+    through L2. dscores [groups, GQ, U]; dhidden [M, Dm]. IDS_AHEAD: the next block's union ids are
     read before this block's weight rows, so the rows' addresses do not wait on a load in the same step.
     """
     i_d, i_g = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -166,8 +166,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
             grouped_scores_kernel[(triton.cdiv(U, cfg["fwd_bu"]), g1 - g0)](
                 hidden[r0:r1], weight, union[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0, U, Dm, V,
                 G=group, GQ=GQ, BU=cfg["fwd_bu"], BD=cfg["fwd_bd"], DOT_PREC=_dot_prec(precision),
-                num_warps=cfg["warps"],
-                num_stages=cfg["stages"])
+                num_warps=cfg["warps"], num_stages=cfg["stages"])
             srow = _scratch_rows(r1 - r0, group, GQ, hidden.device)
             logits[r0:r1] = S.view(-1)[srow[:, None] * U + pos[r0:r1].clamp(min=0)]
         logits = logits * (1.0 if inv_t is None else inv_t)
@@ -228,12 +227,12 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
         cand: int [M, Kc]; ids < 0 or >= Vocab are pads (-inf, no gradient). Duplicates are separate entries.
         group: query rows per group, 1 to 128 (Weaver: anchors per group x L).
         bias: fp32 [M, Kc] or None, added after the temperature.  inv_temperature: None (= 1) or a float.
-        precision: the backward's score-gradient x weight dot: "ieee" (fp32), "tf32" (fp32 gradients,
-            tf32 dot) or "bf16" (gradients summed in fp32 and rounded to bf16 once, then a bf16 dot at the
-            tensor cores' full rate, as the backward of a bf16 linear layer does; needs a bf16 weight
-            and 16-bit hidden); for fp32 hidden also the forward's dot. Default: "ieee" for fp32 hidden (as exact as the
-            gather kernels), "bf16" for 16-bit hidden with a bf16 weight, else "tf32". The forward's
-            16-bit products are exact in every mode.
+        precision: the union backward's score-gradient x weight dot (tuning bwd_gather=False): "ieee"
+            (fp32), "tf32" (fp32 gradients, tf32 dot) or "bf16" (gradients summed in fp32 and rounded to
+            bf16 once, then a bf16 dot at the tensor cores' full rate, as the backward of a bf16 linear
+            layer does; needs a bf16 weight and 16-bit hidden); for fp32 hidden also the forward's dot.
+            Default: "ieee" for fp32 hidden (as exact as the gather kernels), "bf16" for 16-bit hidden
+            with a bf16 weight, else "tf32". The forward's 16-bit products are exact in every mode.
         chunk_bytes: bound on the fp32 score scratch (groups are processed in chunks).
         tuning: launch-parameter overrides (see `_config`; benchmarks).
     Returns:

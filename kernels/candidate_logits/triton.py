@@ -90,11 +90,14 @@ def _num_sms(index: int) -> int:
 
 
 def pick_config(M, Kc, Dm, device):
-    """BLOCK_K: the largest of 32/16/8 that still gives ~4 programs per SM (else 4); tiles of <= 8K elements."""
+    """BLOCK_K: 4 up to 256 query rows, above that the largest of 32/16/8 that still gives ~4 programs per SM (else
+    4); tiles of <= 8K elements. H200 sweep at Kc=512, hidden 5120 (benchmarks/results/candidate_logits_h200.json):
+    4 rows x 2048 columns was fastest at M=1 and 256 (1.136x of the 4.8 TB/s floor vs 1.183x for 32 x 256) and
+    within 0.4% at M=65; above 256 rows (training shapes) it is untimed."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
     block_k = 4
     for bk in (32, 16, 8):
-        if M * triton.cdiv(Kc, bk) >= 4 * sms:
+        if M > 256 and M * triton.cdiv(Kc, bk) >= 4 * sms:
             block_k = bk
             break
     block_k = max(2, min(block_k, triton.next_power_of_2(Kc)))

@@ -42,6 +42,22 @@ def n_copies(bytes_per_call: int, cap: int = 32) -> int:
     return max(1, min(cap, -(-4 * L2_BYTES // max(1, bytes_per_call))))
 
 
+def fwd_bwd_ms(fn, leaf: torch.Tensor, iters: int = 5, warmup: int = 2) -> float:
+    """Median milliseconds of fn().sum().backward() on CUDA (events around each iteration, which syncs), the
+    leaf's gradient reset before each; the first `warmup` iterations (compilation, allocator) are not timed."""
+    out = []
+    for i in range(warmup + iters):
+        leaf.grad = None
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn().sum().backward()
+        b.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
 def time_calls(fns, reps: int = 7, min_calls: int = 20) -> dict:
     """Median microseconds per call of `fns` (one callable per rotated input set).
 

@@ -11,10 +11,9 @@ agreement with the gather kernels.
     python benchmarks/bench_grouped_scoring.py --out out/grouped_scoring.json
 """
 import argparse
-import statistics
 
 import torch
-from _timing import env_info  # (also puts the repo root on sys.path)
+from _timing import env_info, fwd_bwd_ms  # (also puts the repo root on sys.path)
 
 from benchmarks.train_bench import replay_candidates
 from kernels.candidate_logits import candidate_log_probs
@@ -30,34 +29,12 @@ SWEEP = [{}, dict(bwd_bd=128), dict(bwd_bu=32, bwd_bd=128), dict(bwd_bd=128, bwd
          dict(bwd_bd=128, stages=4, bwd_ids_ahead=True)]
 
 
-def fwd_bwd(fn, q):
-    q.grad = None
-    fn().sum().backward()
-
-
-def timed_ms(fn, q, iters):
-    for _ in range(2):
-        fwd_bwd(fn, q)
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fwd_bwd(fn, q)
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
-
-
 def profile(fn, q, iters=3):
     """CUDA time per iteration by kernel name (the top 12), in ms."""
     from torch.profiler import ProfilerActivity
-    fwd_bwd(fn, q)
-    torch.cuda.synchronize()
+    fwd_bwd_ms(fn, q, iters=1, warmup=0)
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fwd_bwd(fn, q)
-        torch.cuda.synchronize()
+        fwd_bwd_ms(fn, q, iters=iters, warmup=0)
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
     return {e.key[:90]: round(e.device_time_total / iters / 1e3, 3) for e in rows}
 
@@ -80,7 +57,7 @@ def main():
 
     def gather():
         return candidate_log_probs(q, weight, cand, bias=bias)
-    res["gather"] = dict(ms=timed_ms(gather, q, args.iters),
+    res["gather"] = dict(ms=fwd_bwd_ms(gather, q, args.iters),
                          floor_ms=2 * M * K * D * 2 / 4.8e12 * 1e3, profile=profile(gather, q))
     q.grad = None
     lp_ref = gather()
@@ -100,7 +77,7 @@ def main():
                 return grouped_candidate_log_probs(q, weight, cand, G, bias=bias, precision=t.pop("precision", None),
                                                    tuning=t)
             try:
-                ms = timed_ms(fn, q, args.iters)
+                ms = fwd_bwd_ms(fn, q, args.iters)
             except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is recorded
                 row["configs"].append(dict(tuning=tuning, error=repr(e)[:300]))
                 continue

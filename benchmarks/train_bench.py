@@ -84,6 +84,7 @@ def score_time_ms(cand: torch.Tensor, p: dict, lm_head: torch.Tensor, torch_scor
     the gather's memory floor (both passes read rows*L*K*d LM-head elements once, bf16, 4.8 TB/s): the gather
     kernels (or weight[cand] + bmm with `torch_scores`), and the grouped kernels with `group_rows` rows per
     group, whose floor is 2 * (distinct ids per group) * d elements."""
+    from benchmarks._timing import fwd_bwd_ms
     from kernels.candidate_logits import candidate_log_probs
     from kernels.candidate_logits.grouped import group_union, grouped_candidate_log_probs
     rows, L, K = cand.shape
@@ -91,24 +92,15 @@ def score_time_ms(cand: torch.Tensor, p: dict, lm_head: torch.Tensor, torch_scor
     q = torch.randn(M, d, device=dev, dtype=lm_head.dtype, requires_grad=True)
     cand = cand.reshape(M, K).to(dev)
     bias = torch.randn(M, K, device=dev)
-
-    def timed(fn):
-        for _ in range(2):
-            fn().sum().backward()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn().sum().backward()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / iters * 1e3
     if torch_scores:
-        ms = timed(lambda: torch.log_softmax(bias + (lm_head[cand] @ q.unsqueeze(-1)).squeeze(-1).float(), -1))
+        ms = fwd_bwd_ms(lambda: torch.log_softmax(bias + (lm_head[cand] @ q.unsqueeze(-1)).squeeze(-1).float(), -1),
+                        q, iters)
     else:
-        ms = timed(lambda: candidate_log_probs(q, lm_head, cand, bias=bias))
+        ms = fwd_bwd_ms(lambda: candidate_log_probs(q, lm_head, cand, bias=bias), q, iters)
     G = group_rows * L
     union, _ = group_union(cand, G, lm_head.shape[0])
     distinct = int((union >= 0).sum())
-    grouped = timed(lambda: grouped_candidate_log_probs(q, lm_head, cand, G, bias=bias))
+    grouped = fwd_bwd_ms(lambda: grouped_candidate_log_probs(q, lm_head, cand, G, bias=bias), q, iters)
     return {"ms": ms, "floor_ms": 2 * M * K * d * lm_head.element_size() / 4.8e12 * 1e3,
             "grouped": {"rows_per_group": group_rows, "ms": grouped, "distinct_fraction": distinct / (M * K),
                         "floor_ms": 2 * distinct * d * lm_head.element_size() / 4.8e12 * 1e3}}

@@ -15,18 +15,17 @@ import argparse
 import torch
 from _timing import env_info, fwd_bwd_ms  # (also puts the repo root on sys.path)
 
-from benchmarks.train_bench import replay_candidates
+from benchmarks.train_bench import replay_candidates, union_stats
 from kernels.candidate_logits import candidate_log_probs
-from kernels.candidate_logits.grouped import _config, group_union, grouped_candidate_log_probs
+from kernels.candidate_logits.grouped import _config, grouped_candidate_log_probs
 from tfm_runtime.io import atomic_write_json
 
 V, D, L, K = 248320, 5120, 15, 512
-# overrides of kernels.candidate_logits.grouped._config (forward union / hidden blocks, backward union / hidden
-# blocks, warps, stages; ptxas -v for sm_90 at GQ=128, fp32 score gradient: fwd 64x64 255 registers, 128x32 215,
-# bwd 64x64 192, 64x128 232, 32x128 186, no spills), and "precision" of the backward dot ("bf16" by default here)
-SWEEP = [{}, dict(bwd_bd=128), dict(bwd_bu=32, bwd_bd=128), dict(bwd_bd=128, bwd_ids_ahead=True),
-         dict(bwd_bu=32, bwd_bd=128, bwd_ids_ahead=True), dict(bwd_ids_ahead=True), dict(bwd_gather=True),
-         dict(bwd_bd=128, stages=4, bwd_ids_ahead=True)]
+# overrides of kernels.candidate_logits.grouped._config, and "precision" of the union backward's dot: the default
+# (grouped forward, gather backward), then the union backward (bwd_gather=False) as defaulted (bf16 gradient,
+# 128-wide hidden blocks, ids read ahead) and with one of those undone, or with 32-row union blocks
+SWEEP = [{}, dict(bwd_gather=False), dict(bwd_gather=False, bwd_bu=32), dict(bwd_gather=False, bwd_ids_ahead=False),
+         dict(bwd_gather=False, bwd_bd=64), dict(bwd_gather=False, precision="tf32"), dict(stages=4)]
 
 
 def profile(fn, q, iters=3):
@@ -67,10 +66,8 @@ def main():
     print(f"gather: {res['gather']['ms']:.2f} ms (floor {res['gather']['floor_ms']:.2f})", flush=True)
     for rows in args.groups:
         G = rows * L
-        union, _ = group_union(cand, G, V)
-        distinct = int((union >= 0).sum())
-        row = dict(rows_per_group=rows, query_rows=G, union_max=union.shape[1], distinct_fraction=distinct / (M * K),
-                   floor_ms=2 * distinct * D * 2 / 4.8e12 * 1e3, default=_config(union.shape[1], D, G), configs=[])
+        u = union_stats(cand, G, weight)
+        row = dict(rows_per_group=rows, query_rows=G, **u, default=_config(u["union_max"], D, G), configs=[])
         for tuning in SWEEP:
             def fn(tuning=tuning):
                 t = dict(tuning)

@@ -21,7 +21,8 @@ OUT=${OUT:-out}
 GPUS=${GPUS:-1}
 mkdir -p "$OUT" /tmp/logs
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" NCCL_NVLS_ENABLE=0
-python3 benchmarks/gpu_wheels.py /root/site deepspeed transformers >"$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
+python3 benchmarks/gpu_wheels.py /root/site deepspeed transformers >"$OUT/wheels.log" 2>&1 ||
+  { cat "$OUT/wheels.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_candidate_logits_grad.py \
   tests/test_kernels_candidate_logits.py >"$OUT/tests.log" 2>&1; tail -2 "$OUT/tests.log"
@@ -35,8 +36,8 @@ if [ "${SCORING:-0}" = 1 ]; then
     set -- $run
     name="train_gb1024_$1_$2${3:+_$3}"
     timeout 170 python3 -m benchmarks.train_bench --preset qwen36_27b --global-batch 1024 --steps 10 --warmup 3 \
-      --compile --compile-mode "${COMPILE_MODE:-default}" --candidates "$1" --step-scoring "$2" --score-group "${3:-4}" --out "$OUT/$name.json" \
-      ${PROFILE:+--profile} 2>/tmp/logs/$name.err | tee "$OUT/$name.stdout" | tail -1 || tail -5 /tmp/logs/$name.err
+      --compile --compile-mode "${COMPILE_MODE:-default}" --candidates "$1" --step-scoring "$2" \
+      --score-group "${3:-4}" --out "$OUT/$name.json" ${PROFILE:+--profile} 2>/tmp/logs/$name.err | tee "$OUT/$name.stdout" | tail -1 || tail -5 /tmp/logs/$name.err
   done
   exit 0
 fi

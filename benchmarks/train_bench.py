@@ -78,6 +78,16 @@ def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, iters: int =
     return 2 * n ** 3 * iters / (time.perf_counter() - t) / 1e12
 
 
+def union_stats(cand: torch.Tensor, group: int, lm_head: torch.Tensor) -> dict:
+    """Groups of `group` query rows of cand [M, K]: the largest union, the fraction of distinct ids, and the
+    grouped scoring's memory floor (both passes read each group's distinct LM-head rows once, 4.8 TB/s)."""
+    from kernels.candidate_logits.grouped import group_union
+    union, _ = group_union(cand, group, lm_head.shape[0])
+    distinct = int((union >= 0).sum())
+    return {"union_max": union.shape[1], "distinct_fraction": distinct / cand.numel(),
+            "floor_ms": 2 * distinct * lm_head.shape[1] * lm_head.element_size() / 4.8e12 * 1e3}
+
+
 def score_time_ms(cand: torch.Tensor, p: dict, lm_head: torch.Tensor, torch_scores: bool, group_rows: int = 8,
                   iters: int = 10) -> dict:
     """Forward + backward of the candidate scoring alone for candidates [rows, L, K] (rows x L queries), against
@@ -86,7 +96,7 @@ def score_time_ms(cand: torch.Tensor, p: dict, lm_head: torch.Tensor, torch_scor
     group, whose floor is 2 * (distinct ids per group) * d elements."""
     from benchmarks._timing import fwd_bwd_ms
     from kernels.candidate_logits import candidate_log_probs
-    from kernels.candidate_logits.grouped import group_union, grouped_candidate_log_probs
+    from kernels.candidate_logits.grouped import grouped_candidate_log_probs
     rows, L, K = cand.shape
     M, d, dev = rows * L, p["d_model"], lm_head.device
     q = torch.randn(M, d, device=dev, dtype=lm_head.dtype, requires_grad=True)
@@ -98,12 +108,11 @@ def score_time_ms(cand: torch.Tensor, p: dict, lm_head: torch.Tensor, torch_scor
     else:
         ms = fwd_bwd_ms(lambda: candidate_log_probs(q, lm_head, cand, bias=bias), q, iters)
     G = group_rows * L
-    union, _ = group_union(cand, G, lm_head.shape[0])
-    distinct = int((union >= 0).sum())
+    u = union_stats(cand, G, lm_head)
     grouped = fwd_bwd_ms(lambda: grouped_candidate_log_probs(q, lm_head, cand, G, bias=bias), q, iters)
     return {"ms": ms, "floor_ms": 2 * M * K * d * lm_head.element_size() / 4.8e12 * 1e3,
-            "grouped": {"rows_per_group": group_rows, "ms": grouped, "distinct_fraction": distinct / (M * K),
-                        "floor_ms": 2 * distinct * d * lm_head.element_size() / 4.8e12 * 1e3}}
+            "grouped": {"rows_per_group": group_rows, "ms": grouped, "distinct_fraction": u["distinct_fraction"],
+                        "floor_ms": u["floor_ms"]}}
 
 
 def _sync(device) -> None:

@@ -115,6 +115,31 @@ def score_time_ms(cand: torch.Tensor, p: dict, lm_head: torch.Tensor, torch_scor
                         "floor_ms": u["floor_ms"]}}
 
 
+KERNEL_KINDS = (("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas")),
+                ("attention", ("fmha", "attention", "flash", "attn")),
+                ("candidate scoring", ("candidate", "grouped_")),
+                ("optimizer", ("multi_tensor", "adam", "foreach")),
+                ("copy/fill", ("memcpy", "memset", "copy", "fill", "cat", "index")),
+                ("inductor fused", ("triton_",)))
+
+
+def kernel_breakdown(prof, steps: int) -> dict:
+    """GPU kernel time per step of a torch.profiler run, by kind (first match of KERNEL_KINDS by name, else
+    "other"), with launch counts: where the step's GPU time goes, and how many kernels it launches."""
+    kinds: dict[str, dict] = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        name = e.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "other")
+        d = kinds.setdefault(kind, {"ms_per_step": 0.0, "launches_per_step": 0.0})
+        d["ms_per_step"] += e.time_range.elapsed_us() / 1e3 / steps
+        d["launches_per_step"] += 1 / steps
+    total = sum(d["ms_per_step"] for d in kinds.values())
+    return {"gpu_busy_ms_per_step": total, "by_kind": {k: {n: round(v, 3) for n, v in d.items()}
+                                                      for k, d in sorted(kinds.items(), key=lambda x: -x[1]["ms_per_step"])}}
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -142,6 +167,7 @@ def main(argv=None) -> dict:
                     default="default", help="torch.compile mode with --compile (reduce-overhead: CUDA graphs for the "
                                             "compiled parts of the step)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of 3 profiled steps (rank 0)")
+    ap.add_argument("--trace", help="with --profile: also write the chrome trace of the profiled steps here")
     ap.add_argument("--out", help="write the JSON result here (rank 0)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -210,16 +236,23 @@ def main(argv=None) -> dict:
         losses.append(float(total) / world)
         if step >= args.warmup:
             times.append(dt)
+    profile_summary = None
     if args.profile and cuda and rank == 0:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
             for step in range(3):
                 batch = {n: t[rank * micro:(rank + 1) * micro] for n, t in pool[step % len(pool)].items()}
                 loss, _ = engine(batch)
                 engine.backward(loss)
                 engine.step()
             _sync(device)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+            wall = (time.perf_counter() - t0) / 3
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
+        profile_summary = dict(kernel_breakdown(prof, steps=3), wall_ms_per_step_profiled=wall * 1e3)
+        print(json.dumps(profile_summary, indent=1))
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
     times.sort()
     step_s = times[len(times) // 2]
     flops = flops_per_row(wcfg) * args.global_batch / step_s / 1e12                     # all ranks together
@@ -237,7 +270,7 @@ def main(argv=None) -> dict:
               "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),
               "flops_per_sample": flops_per_row(wcfg), "candidate_scoring_fwd_bwd": score,
               "candidate_scoring_share_of_step": score["ms"] / (step_s * 1e3) if score else None, "loss_trace": losses,
-              "peak_memory_gib": peak_mem, "env": env_info()}
+              "peak_memory_gib": peak_mem, "profile": profile_summary, "env": env_info()}
     if rank == 0:
         share = f"{result['candidate_scoring_share_of_step']:.0%}" if score else "-"
         print(f"{'preset':<12}{'gpus':>5}{'batch':>7}{'step ms':>9}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>7}"

@@ -26,7 +26,7 @@ from _timing import env_info  # noqa: E402  (also puts the repo root on sys.path
 from gdn_tree_cases import H, HV, K, V, correctness_matrix, fla_chain_check, make_inputs, rel  # noqa: E402
 
 from kernels.gdn_tree import ref, tree_ancestor_bits, tree_gdn_commit, tree_gdn_verify  # noqa: E402
-from kernels.gdn_tree.verify import _config, pdl_supported  # noqa: E402
+from kernels.gdn_tree.verify import _config, pdl_supported, root_folded  # noqa: E402
 from tfm_runtime.io import atomic_write_json  # noqa: E402
 
 HBM = 4.8e12
@@ -52,22 +52,23 @@ CONFIGS = [dict(zip(KEYS, c)) for c in [
 
 
 def default_config(n):
-    """What `tree_gdn_verify` runs by default for n nodes on this device."""
-    return dict(_config(n), pdl=pdl_supported(torch.device("cuda")))
+    """What `tree_gdn_verify` runs by default for n nodes on this device, for a tree rooted at node 0
+    (every tree here, and every verify tree of a decoder, which passes single_root=True)."""
+    return dict(_config(n), pdl=pdl_supported(torch.device("cuda")), single_root=True)
 
 
 def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
-    prep or the solve's dot width (64 or 128 columns) toggled, and above 96 nodes 32-node blocks."""
+    prep, the solve's dot width (64 or 128 columns) or the root fold (single_root) toggled."""
     if quick:
         d = default_config(n)
         kc = 64 if d["solve_kc"] == 128 else 128
         out = [d, dict(d, pdl=not d["pdl"]), dict(d, prep_split=not d["prep_split"]), dict(d, solve_kc=kc),
                dict(d, solve_kc=kc, prep_split=not d["prep_split"])]
-        if n > 96:  # half as many serial solve blocks (not timed with 64-column dots and the split prep yet)
-            out += [dict(d, block_t=32), dict(d, block_t=32, num_warps=8)]
+        if root_folded(True, n, d["block_t"]):
+            out.append(dict(d, single_root=False))
         return [c for i, c in enumerate(out) if c not in out[:i]]
-    return [c for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
+    return [dict(c, single_root=True) for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 
 
 @triton.jit
@@ -184,7 +185,7 @@ def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf"), qu
     if ok:
         row["verify"] = min(ok, key=lambda c: c["us"])
         row["verify_default"] = next((c for c in ok if c["default"]), None)
-    cfg = default if not ok else {key: row["verify"][key] for key in KEYS}
+    cfg = default if not ok else {key: row["verify"][key] for key in KEYS + ("single_root",)}
     if not warm:
         # the two launches of the chosen configuration timed apart (each alone in the graph)
         for stage in ("prep", "solve"):
@@ -261,7 +262,7 @@ def summarize(res):
         v, dflt = r["verify"], r.get("verify_default") or {}
         goal = GOAL_US.get(r["n"])
         s = dict(n=r["n"], tree=r["kind"], depth=r["depth"], verify_us=round(v["us"], 2),
-                 verify_config={key: v[key] for key in KEYS},
+                 verify_config={key: v.get(key) for key in KEYS + ("single_root",)},
                  prep_us=round(v["prep_us"], 2), solve_us=round(v["solve_us"], 2),
                  verify_default_us=round(dflt["us"], 2) if dflt else None,
                  default_config=r["default_config"], commit_us=round(r["commit"]["us"], 2),

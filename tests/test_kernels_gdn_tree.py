@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
 
 from kernels.gdn_tree import (check_parents, ref, tree_ancestor_bits, tree_conv1d,  # noqa: E402
                               tree_conv1d_commit, tree_gdn_commit, tree_gdn_verify)
+from kernels.gdn_tree.tree import rooted_at_node0  # noqa: E402
+from kernels.gdn_tree.verify import root_folded  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
@@ -106,6 +108,21 @@ VERIFY_CASES = [
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"s0_scale": 0.0}),
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float16, {"s0_scale": 100.0}),
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"prenorm": True, "l2norm": False}),
+    # node 0 folded into the state (single_root; N = 1 mod block_t): padded requests and nodes,
+    # one node, BT = 32, both state layouts, no l2norm, strong decay (e^-G0 of masked rows stays out)
+    (1, 17, [17], 2, 4, 16, 16, "chain", torch.float32, {"single_root": True}),
+    (1, 33, [33], 2, 4, 16, 16, "random", torch.float16, {"single_root": True, "p_chain": 0.9}),
+    (1, 33, [33], 2, 4, 16, 16, "random", torch.float32, {"single_root": False}),
+    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": True}),
+    (3, 33, [33, 9, 1], 2, 4, 16, 16, "random", torch.float32, {"single_root": True, "pad_request": 2}),
+    (1, 65, [65], 1, 2, 16, 16, "random", torch.float32, {"single_root": True, "block_t": 32}),
+    (2, 49, [49, 23], 2, 4, 16, 16, "random", torch.float32, {"single_root": True, "nan_padding": True}),
+    (2, 17, [17, 5], 2, 2, 20, 24, "random", torch.float32, {"single_root": True, "v_first": True}),
+    (1, 17, [17], 2, 4, 16, 16, "random", torch.float32, {"single_root": True, "prenorm": True,
+                                                          "l2norm": False}),
+    (1, 17, [17], 2, 4, 16, 16, "chain", torch.float32, {"single_root": True, "g_const": -30.0}),
+    (2, 81, [81, 70], 1, 2, 16, 16, "spine", torch.float32, {"single_root": True, "solve_kc": 16,
+                                                            "prefetch": False}),
 ]
 
 
@@ -129,7 +146,7 @@ def run_verify(case, seed=0):
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], use_qk_l2norm=l2, state_v_first=vf,
                                precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
                                prefetch=extra.get("prefetch", True), prep_split=extra.get("prep_split"),
-                               solve_kc=extra.get("solve_kc"))
+                               solve_kc=extra.get("solve_kc"), single_root=extra.get("single_root"))
     assert torch.equal(dpool, before), "verify wrote the committed state"
     if extra.get("nan_padding"):
         for b, n in enumerate(ns):  # the float64 reference reads nothing past n either
@@ -160,14 +177,15 @@ def test_verify_matches_float64(case):
         assert not r["o"][b, n:].abs().any() and not r["stash"].vnew[b, n:].abs().any()
 
 
-def test_commit_every_node_and_out_idx():
-    case = (2, 14, [14, 11], 2, 4, 16, 32, "random", torch.float32, {})
+@pytest.mark.parametrize("N,extra", [(14, {}), (17, {"single_root": True})])
+def test_commit_every_node_and_out_idx(N, extra):
+    case = (2, N, [N, 11], 2, 4, 16, 32, "random", torch.float32, extra)
     r = run_verify(case, seed=3)
     pool, sidx = r["dpool"], r["sidx"].to(DEV)
     out_idx = torch.tensor([s for s in range(pool.shape[0]) if s not in r["sidx"].tolist()][:2],
                            dtype=torch.int32, device=DEV)
     src = pool[sidx.long()].clone()
-    for a in range(14):
+    for a in range(N):
         leaf = torch.tensor([a, min(a, 10)], device=DEV)
         tree_gdn_commit(pool, sidx, leaf, r["stash"], out_idx=out_idx, precision="ieee")
         assert torch.equal(pool[sidx.long()], src), "commit into out_idx touched the source slot"
@@ -208,6 +226,26 @@ def test_two_step_consistency():
     ro, *_ = ref.tree_gdn_recurrent(q[:, idx], k[:, idx], v[:, idx], g[:, idx], beta[:, idx],
                                     parent[None], torch.tensor([idx.numel()]), pool[sidx.long()])
     assert rel_rms(o, ro[:, len(path):]) < 1e-5
+
+
+def test_single_root_folds_node0_only_where_it_saves_a_block():
+    assert [root_folded(True, N, 16) for N in (1, 2, 16, 17, 33, 64, 65, 129)] == [0, 0, 0, 1, 1, 0, 1, 1]
+    assert root_folded(True, 65, 32) == 1 and root_folded(True, 33, 32) == 1 and root_folded(False, 65, 16) == 0
+
+
+def test_single_root_validated_and_detected():
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, g, beta, pool, sidx = make_gdn(1, 17, 2, 4, 16, 16, torch.float32, gen)
+    d = [t.to(DEV) for t in (q, k, v, g, beta)]
+    forest = torch.tensor([[-1] + list(range(15)) + [-1]], dtype=torch.int32, device=DEV)
+    num = torch.tensor([17], device=DEV)
+    with pytest.raises(ValueError, match="single_root"):
+        tree_gdn_verify(*d, forest, num, pool.to(DEV), sidx.to(DEV), single_root=True)
+    # a forest by default: node 16 reads S0, not node 0's state (the float64 reference agrees)
+    o, _ = tree_gdn_verify(*d, forest, num, pool.to(DEV), sidx.to(DEV), precision="ieee")
+    ro, *_ = ref.tree_gdn_recurrent(q, k, v, g, beta, forest.cpu(), num.cpu(), pool[sidx.long()])
+    assert rel_rms(o, ro) < 1e-5
+    assert rooted_at_node0(forest, torch.tensor([16])) and not rooted_at_node0(forest, num)
 
 
 def test_references_agree():
@@ -290,7 +328,8 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
                                         (65, "eagle", (32, 16, 4)), (65, "eagle", (64, 64, 8)),
                                         (129, "spine", None), (129, "spine", (16, 16, 4)),
                                         (129, "spine", (32, 64, 8)), (129, "spine", (64, 64, 8)),
-                                        (65, "eagle", "split"), (129, "spine", "split")])
+                                        (65, "eagle", "split"), (129, "spine", "split"),
+                                        (65, "eagle", "root"), (129, "spine", "root")])
 def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     """Qwen3.6-27B GDN shape, bf16 inputs, tf32 dots: o within bf16 rounding, commit < 2e-3."""
     gen = torch.Generator().manual_seed(n)
@@ -298,9 +337,10 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num, sidx)]
     dpool = pool.cuda()
-    split = cfg == "split"
-    bt, bv, nw = (None, None, None) if split or cfg is None else cfg
-    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split)
+    split, root = cfg == "split", cfg == "root"
+    bt, bv, nw = (None, None, None) if split or root or cfg is None else cfg
+    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split,
+                               single_root=root)
     ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)
@@ -311,7 +351,8 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs sm_90+")
 @pytest.mark.parametrize("n", [16, 65, 129])
-def test_gpu_pdl_launch_matches_plain_launch(n):
+@pytest.mark.parametrize("single_root", [False, True])
+def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
     """The solve launched with PDL (it starts while the prep runs and waits on gdc_wait) gives
     bitwise the outputs and stash of the plain launch, eagerly and replayed in a CUDA graph."""
     gen = torch.Generator().manual_seed(7 + n)
@@ -320,17 +361,17 @@ def test_gpu_pdl_launch_matches_plain_launch(n):
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num)]
     dpool, dsidx = pool.cuda(), sidx.cuda()
     anc = tree_ancestor_bits(d[5], d[6])
-    plain, stash = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=False)
-    eager, stash_pdl = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True)
+    plain, stash = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=False, single_root=single_root)
+    eager, stash_pdl = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
     assert torch.equal(eager, plain) and torch.equal(stash_pdl.vnew, stash.vnew)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True)
+        tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed, _ = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True)
+        replayed, _ = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
     for _ in range(3):
         replayed.zero_()
         graph.replay()
@@ -339,17 +380,17 @@ def test_gpu_pdl_launch_matches_plain_launch(n):
     # q/k/v written by the kernels just before the verify (as in a model): every replay must see the new values
     src = [t.clone() for t in d[:3]]
     with torch.cuda.stream(s):
-        tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True)
+        tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True)
+        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
     for seed in range(3):
         gen2 = torch.Generator(device="cuda").manual_seed(seed)
         for x in src:
             x.copy_(torch.randn(x.shape, generator=gen2, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        want, _ = tree_gdn_verify(*src, *d[3:], dpool, dsidx, anc=anc, pdl=False)
+        want, _ = tree_gdn_verify(*src, *d[3:], dpool, dsidx, anc=anc, pdl=False, single_root=single_root)
         assert torch.equal(fresh, want)
     assert torch.equal(dpool.cpu(), pool), "verify wrote the committed state"

@@ -175,15 +175,17 @@ def stashed_row_terms(G, RN, beta, rows, m_r, i_b, i_hv, i_bh, N, HV):
 def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
                       rows, m_N, p_blk, N, H, HV, K, NPAD, NW: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BC: tl.constexpr, USE_L2NORM: tl.constexpr,
-                      DOT_PREC: tl.constexpr, FROM_STASH: tl.constexpr):
-    """AP rows of block t over columns c BC .. c BC + BC - 1 (nodes below the block).
+                      DOT_PREC: tl.constexpr, FROM_STASH: tl.constexpr, ROOT: tl.constexpr):
+    """AP rows of block t over columns c BC .. c BC + BC - 1 (nodes below the block; node
+    ROOT + column, see `tree_gdn_prep_kernel`).
 
     G and the inverse norms are derived here from g, the ancestor words and q/k, or (FROM_STASH)
     read back from G and RN, written by the diagonal programs of an earlier launch.
     """
     o_i = tl.arange(0, BT)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < i_t * BT
+    o_l = i_c * BC + tl.arange(0, BC)                  # columns of AP
+    m_c = o_l < i_t * BT
+    o_c = ROOT + o_l                                   # their nodes
     if FROM_STASH:
         b_k = load_rows(k, rows, m_N, i_b, i_h, N, H, K, BK)
         b_q = load_rows(q, rows, m_N, i_b, i_h, N, H, K, BK)
@@ -206,7 +208,7 @@ def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_
                    b_rkc[None, :], 0.)
     b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :],
                    0.)
-    p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_c[None, :]
+    p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_l[None, :]
     tl.store(p_ap, b_a, mask=m_c[None, :])
     tl.store(p_ap + BT * NPAD, -b_p, mask=m_c[None, :])
 
@@ -246,7 +248,11 @@ def tree_gdn_prep_kernel(
     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
     NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
     USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr, PART: tl.constexpr,
+    ROOT: tl.constexpr,
 ):
+    """ROOT = 1 (`tree_gdn_verify(single_root=True)`): node 0 is every node's ancestor and the solve
+    folds it into the state, so the blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..) and the
+    diagonal program of block 0 also stores G of node 0 (= g_0, for the commit)."""
     if PDL:
         # this launch may start before the kernel before it has finished: wait for it (and its
         # writes, e.g. q/k/v) before any load. Only then let the next launch be scheduled: the solve
@@ -269,7 +275,7 @@ def tree_gdn_prep_kernel(
         r -= cnt
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    rows = i_t * BT + tl.arange(0, BT)
+    rows = ROOT + i_t * BT + tl.arange(0, BT)
     m_N = rows < N
     # read alongside the other loads (no address depends on it); a padded request
     # (state_idx < 0) counts no nodes
@@ -279,7 +285,10 @@ def tree_gdn_prep_kernel(
     if PART == 2 or (PART == 0 and i_p >= NB):
         off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
                           rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
-                          DOT_PREC, PART == 2)
+                          DOT_PREC, PART == 2, ROOT)
     else:
         diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h,
                        i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC)
+        if ROOT:
+            b_g0 = tl.load(g + i_b * N * HV + i_hv).to(tl.float32)
+            tl.store(G + i_b * N * HV + i_hv, tl.where(n > 0, b_g0, 0.), mask=i_t == 0)

@@ -29,6 +29,14 @@ def check_parents(parent, num_nodes):
                          f"parent[{b}, {i}] = {int(p[b, i])}; permute the nodes first")
 
 
+def rooted_at_node0(parent, num_nodes) -> bool:
+    """Whether node 0 is an ancestor of every real node of every request, i.e. only node 0 has
+    parent -1 (topological parents assumed). Reads the tensors on the host (a device sync)."""
+    p, n = parent.detach().cpu().long(), num_nodes.detach().cpu().long()
+    idx = torch.arange(p.shape[1])
+    return not bool(((idx[None, :] >= 1) & (idx[None, :] < n[:, None]) & (p < 0)).any())
+
+
 def tree_ancestor_bits(parent, num_nodes, check=True):
     """Inclusive ancestor bitmask, built once per step and shared by all layers.
 

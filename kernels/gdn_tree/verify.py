@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .prep import state_dot, state_split, tree_gdn_prep_kernel
-from .tree import MAX_NODES, tree_ancestor_bits
+from .tree import MAX_NODES, rooted_at_node0, tree_ancestor_bits
 
 
 class GDNTreeStash(NamedTuple):
@@ -52,21 +52,52 @@ def load_rows(q, k, v, beta, rows, n, i_b, i_h, i_hv, N, H, HV, K, V, o_k, o_v, 
 
 
 @triton.jit
-def load_scales(G, RN, rows, n, i_b, i_hv, i_bh, N, HV, BT: tl.constexpr):
-    """The prep's per-row factors for the stacked rows: e^G and the inverse k (or q) norm [2BT]."""
+def load_scales(G, RN, rows, n, g0, i_b, i_hv, i_bh, N, HV, BT: tl.constexpr):
+    """The prep's per-row factors for the stacked rows: e^(G - g0) and the inverse k (or q) norm
+    [2BT] (g0: the root's decay where the solve folded the root into the state, else 0)."""
     o_r = tl.arange(0, 2 * BT)
     m_r = rows < n
-    b_eG = tl.exp(tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.))
+    b_eG = tl.exp(tl.where(m_r, tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.) - g0, 0.))
     b_rn = tl.load(RN + (i_bh * 2 + (o_r >= BT)) * N + rows, mask=m_r, other=0.)
     return b_eG, b_rn
 
 
+@triton.jit
+def fold_root(q, k, v, g, beta, vnew, o, b_s, n, scale, i_b, i_h, i_hv, N, H, HV, K, V, o_k, o_v,
+              m_v, USE_L2NORM: tl.constexpr):
+    """Node 0, the ancestor of every node, folded into the state tile b_s [BK, BV] (fp32 sums):
+    v'_0 = beta_0 (v_0 - e^g_0 k_0 S0), S_root = e^g_0 S0 + k_0 v'_0^T, o_0 = q_0 S_root, stored
+    to vnew and o. Returns (S_root tile, g_0); the other nodes then see S_root and e^(G - g_0)."""
+    m_0 = n > 0
+    m_k = o_k < tl.where(m_0, K, 0)                    # (a block-shaped mask: the interpreter
+    m_v0 = o_v < tl.where(m_0, V, 0)                   # rejects a scalar & block one)
+    b_k = tl.load(k + (i_b * N * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_q = tl.load(q + (i_b * N * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_v = tl.load(v + (i_b * N * HV + i_hv) * V + o_v, mask=m_v0, other=0.).to(tl.float32)
+    b_g0 = tl.where(m_0, tl.load(g + i_b * N * HV + i_hv).to(tl.float32), 0.)
+    b_beta0 = tl.where(m_0, tl.load(beta + i_b * N * HV + i_hv).to(tl.float32), 0.)
+    if USE_L2NORM:
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+    b_e = tl.exp(b_g0)
+    b_vn = b_beta0 * (b_v - b_e * tl.sum(b_k[:, None] * b_s, 0))                      # [BV]
+    b_s = b_e * b_s + b_k[:, None] * b_vn[None, :]
+    b_o = tl.sum((b_q * scale)[:, None] * b_s, 0)
+    p_0 = (i_b * N * HV + i_hv) * V + o_v
+    tl.store(vnew + p_0, b_vn, mask=m_v)
+    tl.store(o + p_0, b_o.to(o.dtype.element_ty), mask=m_v)
+    return b_s, b_g0
+
+
 @triton.jit(do_not_specialize=["N", "H", "HV", "NB"])
 def tree_gdn_solve_kernel(
-    q, k, v, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V, NB, NPAD,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+    q, k, v, g, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, scale, N, H, HV, K, V, NB,
+    NPAD, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    ROOT: tl.constexpr, USE_L2NORM: tl.constexpr,
 ):
+    """ROOT = 1: node 0 is every node's ancestor; it is folded into the state tile first
+    (`fold_root`) and the blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -82,6 +113,11 @@ def tree_gdn_solve_kernel(
     # [BK, BV]
     b_s = tl.load(p_s, mask=tl.where(i_s >= 0, (o_k < K)[:, None] & m_v[None, :], False),
                   other=0.).to(tl.float32)
+    g0 = 0.
+    if ROOT:
+        b_s, g0 = fold_root(q, k, v, g, beta, vnew, o, b_s, n, scale, i_b, i_h, i_hv, N, H, HV, K, V,
+                            o_k, o_v, m_v, USE_L2NORM)
+    n_loc = tl.maximum(n - ROOT, 0)                    # nodes in the blocks
     b_sh, b_sl = state_split(b_s, q.dtype.element_ty)
     # rows of the stacked [2BT, *] tiles: r < BT is node t BT + r of the V' (k) half, r >= BT the
     # same node of the O (q) half
@@ -93,33 +129,33 @@ def tree_gdn_solve_kernel(
     # read before gdc_wait, which then waits for the prep's outputs. Reading inputs early is safe
     # because the prep signals dependents only after its own gdc_wait, i.e. once every kernel that
     # wrote them has finished.
-    b_x, b_beta, b_v = load_rows(q, k, v, beta, o_r % BT, n, i_b, i_h, i_hv, N, H, HV, K, V, o_k,
-                                 o_v, m_v, BT)
+    b_x, b_beta, b_v = load_rows(q, k, v, beta, ROOT + o_r % BT, n, i_b, i_h, i_hv, N, H, HV, K,
+                                 V, o_k, o_v, m_v, BT)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    b_eG, b_rn = load_scales(G, RN, o_r % BT, n, i_b, i_hv, i_bh, N, HV, BT)
-    for i_t in range(0, tl.cdiv(n, BT)):
-        rows = i_t * BT + o_r % BT
+    b_eG, b_rn = load_scales(G, RN, ROOT + o_r % BT, n, g0, i_b, i_hv, i_bh, N, HV, BT)
+    for i_t in range(0, tl.cdiv(n_loc, BT)):
+        rows = ROOT + i_t * BT + o_r % BT
         if not PREFETCH:
             b_x, b_beta, b_v = load_rows(q, k, v, beta, rows, n, i_b, i_h, i_hv, N, H, HV, K, V,
                                          o_k, o_v, m_v, BT)
-            b_eG, b_rn = load_scales(G, RN, rows, n, i_b, i_hv, i_bh, N, HV, BT)
+            b_eG, b_rn = load_scales(G, RN, rows, n, g0, i_b, i_hv, i_bh, N, HV, BT)
         b_c = tl.where(m_top, -b_beta, 1.) * b_eG * b_rn
         # [2BT, BV] = [beta (v - e^G rk k S0) ; e^G rq q S0]
         b_y = b_beta[:, None] * b_v + b_c[:, None] * state_dot(b_x, b_sh, b_sl, DOT_PREC)
         if PREFETCH:
             b_x, b_beta, b_v = load_rows(q, k, v, beta, rows + BT, n, i_b, i_h, i_hv, N, H, HV, K,
                                          V, o_k, o_v, m_v, BT)
-            b_eG, b_rn = load_scales(G, RN, rows + BT, n, i_b, i_hv, i_bh, N, HV, BT)
+            b_eG, b_rn = load_scales(G, RN, rows + BT, n, g0, i_b, i_hv, i_bh, N, HV, BT)
         p_blk = (i_bh * NB + i_t) * 2 * BT
         # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
         for i_c in range(0, tl.cdiv(i_t * BT, KC)):
             o_c = i_c * KC + tl.arange(0, KC)
             m_c = o_c < i_t * BT
-            # [2BT, KC] and [KC, BV]; columns of later blocks are masked to zero
+            # [2BT, KC] and [KC, BV] (nodes ROOT + o_c); columns of later blocks are masked to zero
             b_ap = tl.load(AP + (p_blk + o_r[:, None]) * NPAD + o_c[None, :], mask=m_c[None, :],
                            other=0.)
-            b_u = tl.load(vnew + ((i_b * N + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
+            b_u = tl.load(vnew + ((i_b * N + ROOT + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
                           mask=m_c[:, None] & m_v[None, :], other=0.)
             b_y -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
         # [2BT, 2BT] @ [2BT, BV] -> [V'_t ; O_t]
@@ -133,8 +169,8 @@ def tree_gdn_solve_kernel(
         tl.debug_barrier()
     # padding blocks past n
     o_i = tl.arange(0, BT)
-    for i_t in range(tl.cdiv(n, BT), tl.cdiv(N, BT)):
-        rows = i_t * BT + o_i
+    for i_t in range(tl.cdiv(n_loc, BT), tl.cdiv(N - ROOT, BT)):
+        rows = ROOT + i_t * BT + o_i
         p_out = ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :]
         m_st = (rows < N)[:, None] & m_v[None, :]
         b_z = tl.zeros([BT, BV], dtype=tl.float32)
@@ -174,11 +210,17 @@ def _config(N):
                 prep_split=N > 96, solve_kc=64)
 
 
+def root_folded(single_root, N: int, BT: int) -> int:
+    """1 where the solve folds node 0 into the state (`single_root`): only where that saves a serial
+    block (N = 1 mod BT), else 0."""
+    return int(bool(single_root) and N > 1 and N % BT == 1)
+
+
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
                     prefetch=None, solve_kc=None, prep_warps=None, prep_maxnreg=None, prep_split=None,
-                    pdl=None, stages=("prep", "solve")):
+                    pdl=None, single_root=None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -215,6 +257,12 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             and its first rows) while the prep runs. Default: on CUDA devices of compute
             capability >= 9 (Hopper) with a Triton that supports it, off elsewhere and under
             TRITON_INTERPRET.
+        single_root: node 0 is an ancestor of every real node of every request (a tree rooted at
+            node 0, as a decoder's verify trees are). Then when N = 1 (mod block_t), the solve
+            folds node 0 into the state first (a rank-1 update of each state tile) and the
+            blocks cover nodes 1 .. N-1: one serial block fewer (n = 65, 129: 4 and 8 blocks
+            instead of 5 and 9). None (default): read off `parent` where `check` validates it
+            on the host anyway, else False. True is validated when `check` is on.
         stages: which launches run (benchmarks time the prep and the solve apart; a subset
             leaves the outputs undefined).
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
@@ -243,6 +291,11 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         raise ValueError("state_pool must be contiguous (it is indexed by slot, head and layout)")
     if N > MAX_NODES or K > 256:
         raise ValueError(f"supports N <= {MAX_NODES} and K <= 256, got N={N}, K={K}")
+    if single_root is None:
+        single_root = bool(check and parent is not None and anc is None and rooted_at_node0(parent, num_nodes))
+    elif single_root and check and parent is not None and not rooted_at_node0(parent, num_nodes):
+        raise ValueError("single_root=True, but a real node other than node 0 has parent -1 (node 0 must be "
+                         "an ancestor of every node)")
     if anc is None:
         anc = tree_ancestor_bits(parent, num_nodes, check=check)
     elif tuple(anc.shape) != (B, N, triton.cdiv(N, 32)):
@@ -269,7 +322,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     anc, num_nodes, state_idx = anc.contiguous(), num_nodes.contiguous(), state_idx.contiguous()
     dev, f32 = v.device, torch.float32
-    NB = triton.cdiv(N, BT)
+    ROOT = root_folded(single_root, N, BT)
+    NB = triton.cdiv(N - ROOT, BT)
     # columns of the off-diagonal rows: every node of blocks 0 .. NB-2
     NPAD = max(16, triton.next_power_of_2((NB - 1) * BT))
     BK = max(16, triton.next_power_of_2(K))
@@ -293,10 +347,12 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                 tree_gdn_prep_kernel[(programs, B * HV)](
                     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
-                    DOT_PREC=precision, PDL=pdl, PART=part, num_warps=prep_warps or 4, **extra)
+                    DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, num_warps=prep_warps or 4,
+                    **extra)
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
-            q, k, v, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, N, H, HV, K, V,
-            NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, solve_kc), STATE_V_FIRST=state_v_first,
-            DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, num_warps=nw, num_stages=1, **launch)
+            q, k, v, g, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, scale, N, H,
+            HV, K, V, NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, solve_kc),
+            STATE_V_FIRST=state_v_first, DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, ROOT=ROOT,
+            USE_L2NORM=use_qk_l2norm, num_warps=nw, num_stages=1, **launch)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

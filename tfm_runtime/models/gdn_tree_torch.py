@@ -98,10 +98,11 @@ def tree_recurrence(q, k, v, g, beta, parents, S0):
 
 
 def gdn_tree_layer_forward(mod, hidden_states: torch.Tensor, cache, parents: torch.Tensor, backend: str = "torch",
-                           anc_bits: torch.Tensor | None = None):
+                           anc_bits: torch.Tensor | None = None, single_root: bool = False):
     """hidden_states [B, N, H] of the tree nodes -> (layer output [B, N, H], stash with `commit_into`).
 
-    `anc_bits` [B, N, ceil(N/32)] int32 (triton backend): the ancestor bitmask built once per step for all layers.
+    `anc_bits` [B, N, ceil(N/32)] int32 (triton backend): the ancestor bitmask built once per step for all layers;
+    `single_root`: node 0 is every node's ancestor (lets the kernel fold it into the state, see tree_gdn_verify).
     """
     B, N, _ = hidden_states.shape
     li, kc = mod.layer_idx, mod.conv_kernel_size
@@ -111,7 +112,7 @@ def gdn_tree_layer_forward(mod, hidden_states: torch.Tensor, cache, parents: tor
     if conv_state is None or S0 is None:
         raise RuntimeError(f"GDN layer {li}: tree verification needs a prefilled cache (run the prompt first)")
     if backend == "triton":
-        return _triton_forward(mod, mixed, z, b, a, conv_state, S0, parents, anc_bits)
+        return _triton_forward(mod, mixed, z, b, a, conv_state, S0, parents, anc_bits, single_root)
     if backend != "torch":
         raise ValueError(f"GDN tree backend must be 'torch' or 'triton', got {backend!r}")
     ext = torch.cat([conv_state.transpose(1, 2).to(mixed.dtype), mixed], dim=1)      # [B, Kc+N, C]
@@ -137,7 +138,7 @@ def gdn_tree_layer_forward(mod, hidden_states: torch.Tensor, cache, parents: tor
     return mod.out_proj(out), TreeGDNStash(ext=ext, win=win, states=states)
 
 
-def _triton_forward(mod, mixed, z, b, a, conv_state, S0, parents, anc_bits):
+def _triton_forward(mod, mixed, z, b, a, conv_state, S0, parents, anc_bits, single_root=False):
     """The same layer through kernels.gdn_tree: tree conv + masked triangular solve, committed state read-only."""
     from kernels.gdn_tree import tree_conv1d, tree_gdn_verify
     if mixed.dtype == torch.float64:
@@ -158,6 +159,6 @@ def _triton_forward(mod, mixed, z, b, a, conv_state, S0, parents, anc_bits):
     precision = "ieee" if mixed.dtype == torch.float32 else "tf32"
     o, stash = tree_gdn_verify(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
                                par, n, S0, slots, scale=mod.head_k_dim ** -0.5, use_qk_l2norm=True,
-                               anc=anc_bits, check=False, precision=precision)
+                               anc=anc_bits, check=False, precision=precision, single_root=single_root)
     out = mod.norm(o.reshape(-1, mod.head_v_dim), z.reshape(-1, mod.head_v_dim)).reshape(B, N, -1)
     return mod.out_proj(out), TritonTreeGDNStash(mixed=mixed, parents=par, gdn=stash)

@@ -54,7 +54,7 @@ class TreeVerifier:
                 return mod._tfm_plain_forward(hidden_states, *args, **kwargs)
             cache = kwargs.get("cache", kwargs.get("cache_params"))   # transformers < 5.2x: cache_params
             out, stash = gdn_tree_layer_forward(mod, hidden_states, cache, ctx["parents"], backend=verifier.backend,
-                                                anc_bits=ctx["anc_bits"])
+                                                anc_bits=ctx["anc_bits"], single_root=ctx["single_root"])
             ctx["stash"][mod.layer_idx] = stash
             return out
         return forward
@@ -73,12 +73,15 @@ class TreeVerifier:
         mask = mask[None, None]                                                     # [1, 1, N, start+N]
         if self.target.is_hybrid:
             mask = {"full_attention": mask, "linear_attention": None}
-        anc_bits = None
+        anc_bits, single_root = None, False
         if self.backend == "triton" and self.gdn:
             from kernels.gdn_tree import tree_ancestor_bits       # once per step, shared by every GDN layer
+            from kernels.gdn_tree.tree import rooted_at_node0
             par = parents.to(device=dev, dtype=torch.int32)[None]
-            anc_bits = tree_ancestor_bits(par, torch.full((1,), N, dtype=torch.int32, device=dev))
-        self._ctx = {"parents": parents.to(dev), "stash": {}, "anc_bits": anc_bits}
+            n = torch.full((1,), N, dtype=torch.int32, device=dev)
+            anc_bits = tree_ancestor_bits(par, n)                # (checks the parents on the host)
+            single_root = rooted_at_node0(par, n)
+        self._ctx = {"parents": parents.to(dev), "stash": {}, "anc_bits": anc_bits, "single_root": single_root}
         try:
             out = self.target(tokens[None].to(dev), position_ids=(start + depths)[None].to(dev),
                               attention_mask=mask, past_key_values=cache, use_cache=True)

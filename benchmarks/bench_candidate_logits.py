@@ -19,9 +19,11 @@ from kernels.candidate_logits.triton import candidate_logits, candidate_logits_f
 from tfm_runtime.io import atomic_write_json
 
 PEAK_BW = 4.8e12
-# Tuning sweep (BLOCK_K, BLOCK_D, num_warps, num_stages), timed on a few cases only.
-SWEEP = [(32, 256, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (16, 256, 4, 4), (32, 256, 8, 4),
-         (8, 512, 4, 4)]
+# Tuning sweep (BLOCK_K, BLOCK_D, num_warps, num_stages, tail), timed on a few cases only; tail "last": the
+# row's last program does the log-softmax (no second launch).
+SWEEP = [(32, 256, 4, 3, "kernel"), (16, 512, 4, 3, "kernel"), (8, 1024, 4, 3, "kernel"), (4, 2048, 4, 3, "kernel"),
+         (16, 256, 4, 4, "kernel"), (32, 256, 8, 4, "kernel"), (8, 512, 4, 4, "kernel"), (4, 2048, 4, 3, "last"),
+         (32, 256, 4, 3, "last"), (8, 1024, 4, 3, "last")]
 
 
 def make_sets(M, Kc, Dm, V, dtype, dev, gen, copies):
@@ -69,12 +71,14 @@ def bench_case(M, Kc, weight, dev, sweep):
             row[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
     if sweep:
         row["sweep"] = []
-        for bk, bd, w, st in SWEEP:
-            cfg = dict(BLOCK_K=bk, BLOCK_D=bd, num_warps=w, num_stages=st)
+        for bk, bd, w, st, tail in SWEEP:
+            cfg = dict(BLOCK_K=bk, BLOCK_D=bd, num_warps=w, num_stages=st, tail=tail)
             entry = dict(config=cfg)
             try:
-                s_lg, _ = candidate_logits_fwd(hidden, weight, cand, None, None, False, cfg)
-                entry["logits_rel_rms"] = rel_rms(candidate_logits_ref(hidden, weight, cand)[0], s_lg)
+                s_lg, s_lp = candidate_logits_fwd(hidden, weight, cand, None, None, False, cfg)
+                r_lg, r_lp, _ = candidate_logits_ref(hidden, weight, cand)
+                entry["logits_rel_rms"] = rel_rms(r_lg, s_lg)
+                entry["logprobs_max_abs_err"] = (s_lp.double() - r_lp).abs().max().item()
                 entry.update(time_calls([lambda h=h, c=c: candidate_logits_fwd(h, weight, c, None, None, False, cfg)
                                          for h, c in sets]))
                 entry["time_over_floor"] = entry["us"] * 1e-6 * PEAK_BW / floor_bytes
@@ -88,6 +92,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/candidate_logits_h200.json")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU shapes (run under TRITON_INTERPRET=1)")
+    ap.add_argument("--cases", help="only these MxKc cases, e.g. 64x512,65x512 (default: all)")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if a.smoke:
@@ -96,7 +101,10 @@ def main():
     else:
         V, Dm, dtype = 248320, 5120, torch.bfloat16
         cases = [(1, 512), (8, 512), (64, 512), (65, 512), (256, 512), (65, 8), (65, 64), (4096, 8)]
-        sweep_at = {(1, 512), (65, 512), (256, 512)}
+        sweep_at = {(1, 512), (64, 512), (65, 512), (256, 512)}
+    if a.cases:
+        want = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
+        cases = [c for c in cases if c in want] or want
     gen = torch.Generator(device=dev).manual_seed(0)
     weight = (torch.randn(V, Dm, generator=gen, device=dev, dtype=dtype) * 0.02)
     bw = copy_bandwidth()
@@ -117,7 +125,7 @@ def main():
               f"{r['logprobs_max_abs_err']:>8.1e}")
         for s in r.get("sweep", []):
             c = s["config"]
-            print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']}: "
+            print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']} {c['tail']}: "
                   f"{s.get('us', float('nan')):.2f} us ({s.get('time_over_floor', float('nan')):.2f}x) "
                   f"{s.get('error', '')[:60]}")
     print(f"copy bandwidth {bw} TB/s; " + json.dumps(res["env"]))

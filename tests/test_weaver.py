@@ -128,3 +128,13 @@ def test_config_errors():
                      candidate_pool=4)
     with pytest.raises(ValueError, match="not a Weaver config"):
         WeaverConfig.from_dict({"architecture": "Other"})
+
+
+def test_small_attention_equals_sdpa():
+    from tfm_runtime.models.weaver import small_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 7, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = (torch.rand(3, 1, 7, 7, generator=g) > 0.5) | torch.eye(7, dtype=torch.bool)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert (small_attention(q, k, v, mask) - want).abs().max() < 1e-12
+    assert (small_attention(q, k, v, mask[:1]) - small_attention(q, k, v, mask[:1].expand(3, 1, 7, 7))).abs().max() == 0

@@ -26,6 +26,10 @@ class RMSNorm(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+# Eager even inside torch.compile (a graph break): the tables are tiny, but computed in float64 and fused into
+# every consumer, inductor re-evaluated pow/cos/sin in float64 per element of q and k (8 of the 59 ms of a
+# Weaver training step at the Qwen3.6-27B preset, benchmarks/results/train_h200.json).
+@torch.compiler.disable
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype):
     """positions [...] (long) -> cos, sin [..., head_dim] (the half-split "rotate_half" convention)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))

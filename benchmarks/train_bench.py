@@ -116,11 +116,12 @@ def score_time_ms(cand: torch.Tensor, p: dict, lm_head: torch.Tensor, torch_scor
 
 
 KERNEL_KINDS = (("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas")),
-                ("attention", ("fmha", "attention", "flash", "attn")),
+                ("attention", ("fmha", "attention", "flash", "attn", "sdpa")),
                 ("candidate scoring", ("candidate", "grouped_")),
                 ("optimizer", ("multi_tensor", "adam", "foreach")),
-                ("copy/fill", ("memcpy", "memset", "copy", "fill", "cat", "index")),
-                ("inductor fused", ("triton_",)))
+                ("inductor fused", ("triton_",)),                          # before copy: their names list ops
+                ("sort/unique", ("sort", "unique", "histogram", "scan")),
+                ("copy/fill", ("memcpy", "memset", "copy", "fill", "cat", "index")))
 
 
 def kernel_breakdown(prof, steps: int) -> dict:
@@ -208,7 +209,7 @@ def main(argv=None) -> dict:
         obj.weaver.candidate_group_rows = args.score_group
     if args.compile:
         obj.forward = torch.compile(obj.forward, mode=args.compile_mode)
-    opt = torch.optim.AdamW(obj.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = torch.optim.AdamW(obj.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=cuda)  # as the trainer
     ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "train_batch_size": args.global_batch, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": cuda}, "steps_per_print": 10 ** 9}

@@ -105,7 +105,10 @@ def group_union(cand: torch.Tensor, group: int, vocab: int) -> tuple[torch.Tenso
     valid = (cand >= 0) & (cand < vocab)
     g_of_row = torch.arange(M, device=cand.device) // group
     key = (g_of_row[:, None] * (vocab + 1) + torch.where(valid, cand.long(), vocab)).flatten()
+    if NG * (vocab + 1) < 2 ** 31:
+        key = key.int()                                        # a radix sort over half the key bits
     uniq, inv = torch.unique(key, sorted=True, return_inverse=True)
+    uniq = uniq.long()
     ug, ut = uniq // (vocab + 1), uniq % (vocab + 1)
     counts = torch.bincount(ug, minlength=NG)
     starts = torch.cumsum(counts, 0) - counts

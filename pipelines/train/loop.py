@@ -164,7 +164,9 @@ class Trainer:
             if self.rank == 0:
                 log.info("torch.compile: the objective's forward is compiled (compile: %s)", cfg.compile)
         params = [p for p in self.task.objective.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        # fused on GPU: one kernel over DeepSpeed's flat fp32 partition instead of a dozen foreach passes
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                fused=self.device.type == "cuda")
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
         self.engine, _, _, _ = deepspeed.initialize(model=self.task.objective, optimizer=opt, lr_scheduler=self.sched,
                                                     config=cfg.deepspeed_config(self.world, bf16),

@@ -38,11 +38,44 @@ def profile(fn, q, iters=3):
     return {e.key[:90]: round(e.device_time_total / iters / 1e3, 3) for e in rows}
 
 
+# launch configurations of the gather backward (kernels/candidate_logits/grad.py; {} = the default: 32 x 256
+# tiles, rows fastest)
+HIDDEN_GRAD_SWEEP = [{}, dict(d_fast=True), dict(block_c=16, block_d=512), dict(block_c=16, block_d=512, d_fast=True),
+                     dict(block_c=8, block_d=1024, d_fast=True), dict(block_c=64, block_d=128), dict(stages=4),
+                     dict(warps=8, block_c=32, block_d=512), dict(stages=2, d_fast=True)]
+
+
+def hidden_grad_sweep(weight, cand, iters):
+    """Milliseconds of candidate_hidden_grad alone (CUDA events, median) per HIDDEN_GRAD_SWEEP entry, with the
+    largest deviation from the default's output."""
+    import statistics
+
+    from kernels.candidate_logits.grad import candidate_hidden_grad
+    dl = torch.randn(cand.shape, device=cand.device) * 1e-3
+    want = candidate_hidden_grad(dl, weight, cand, 1.0, torch.bfloat16)
+    out = []
+    for tuning in HIDDEN_GRAD_SWEEP:
+        ts = []
+        for i in range(iters + 2):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            got = candidate_hidden_grad(dl, weight, cand, 1.0, torch.bfloat16, tuning)
+            b.record()
+            torch.cuda.synchronize()
+            if i >= 2:
+                ts.append(a.elapsed_time(b))
+        out.append(dict(tuning=tuning, ms=statistics.median(ts), max_abs_diff=(got.float() - want.float()).abs().max().item()))
+        print(f"hidden grad {tuning}: {out[-1]['ms']:.2f} ms (max diff {out[-1]['max_abs_diff']:.1e})", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=1024, help="anchor rows (each 15 depths x 512 candidates)")
     ap.add_argument("--groups", type=int, nargs="+", default=[4, 8], help="anchor rows per group")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--hidden-grad", action="store_true",
+                    help="only time the gather backward kernel (candidate_hidden_grad) over HIDDEN_GRAD_SWEEP")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -53,6 +86,10 @@ def main():
     q = torch.randn(M, D, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_()
     bias = torch.randn(M, K, generator=g, device=dev)
     res = dict(meta=dict(env_info(), rows=args.rows, L=L, K=K, vocab=V, hidden=D), gather={}, grouped=[])
+    if args.hidden_grad:
+        res["hidden_grad"] = hidden_grad_sweep(weight, cand, args.iters)
+        atomic_write_json(args.out, res)
+        return
 
     def gather():
         return candidate_log_probs(q, weight, cand, bias=bias)

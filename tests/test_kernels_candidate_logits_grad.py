@@ -35,6 +35,18 @@ def test_grads_match_float64(M, Kc, Dm, V, dtype, inv_t, pad):
 
 
 @cpu_only
+@pytest.mark.parametrize("tuning", [dict(d_fast=True, block_d=64), dict(block_c=4, block_d=128)], ids=["d_fast", "c4"])
+def test_hidden_grad_launch_variants_match_default(tuning):
+    from kernels.candidate_logits.grad import candidate_hidden_grad
+    hidden, weight, cand, bias, w = inputs(5, 37, 300, 80, torch.float32, 0.2)
+    dl = torch.randn(cand.shape)
+    want = candidate_hidden_grad(dl, weight, cand, 0.5, torch.float32)
+    got = candidate_hidden_grad(dl, weight, cand, 0.5, torch.float32, tuning)
+    ref_ = 0.5 * torch.einsum("mc,mcd->md", dl * (cand >= 0), weight[cand.clamp(min=0)])
+    assert (got - ref_).abs().max() < 1e-4 and (want - ref_).abs().max() < 1e-4
+
+
+@cpu_only
 def test_all_pad_row_and_frozen_weight():
     hidden, weight, cand, bias, w = inputs(2, 5, 32, 40, torch.float32)
     cand[1] = -1

@@ -293,7 +293,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         raise ValueError(f"supports N <= {MAX_NODES} and K <= 256, got N={N}, K={K}")
     if single_root is None:
         single_root = bool(check and parent is not None and anc is None and rooted_at_node0(parent, num_nodes))
-    elif single_root and check and parent is not None and not rooted_at_node0(parent, num_nodes):
+    elif single_root and check and parent is not None and anc is None and not rooted_at_node0(parent, num_nodes):
         raise ValueError("single_root=True, but a real node other than node 0 has parent -1 (node 0 must be "
                          "an ancestor of every node)")
     if anc is None:

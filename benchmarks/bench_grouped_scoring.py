@@ -38,11 +38,11 @@ def profile(fn, q, iters=3):
     return {e.key[:90]: round(e.device_time_total / iters / 1e3, 3) for e in rows}
 
 
-# launch configurations of the gather backward (kernels/candidate_logits/grad.py; {} = the default: 32 x 256
-# tiles, rows fastest)
-HIDDEN_GRAD_SWEEP = [{}, dict(d_fast=True), dict(block_c=16, block_d=512), dict(block_c=16, block_d=512, d_fast=True),
-                     dict(block_c=8, block_d=1024, d_fast=True), dict(block_c=64, block_d=128), dict(stages=4),
-                     dict(warps=8, block_c=32, block_d=512), dict(stages=2, d_fast=True)]
+# launch configurations of the gather backward (kernels/candidate_logits/grad.py; {} = the default: 16 x 512
+# tiles, rows fastest, 4 warps, 3 stages; session 7's first sweep chose it over 32 x 256, 12.6 ms)
+HIDDEN_GRAD_SWEEP = [{}, dict(block_c=32, block_d=256), dict(block_c=8, block_d=512), dict(block_c=16, block_d=1024),
+                     dict(block_c=8, block_d=1024), dict(warps=8, block_c=16, block_d=1024), dict(stages=4),
+                     dict(stages=2), dict(warps=2), dict(block_c=32, block_d=512)]
 
 
 def hidden_grad_sweep(weight, cand, iters):

@@ -59,7 +59,7 @@ def candidate_hidden_grad(dlogits: torch.Tensor, weight: torch.Tensor, cand: tor
     dhidden = torch.empty(M, Dm, dtype=out_dtype, device=dlogits.device)
     if M == 0:
         return dhidden
-    cfg = {"block_d": min(512, max(16, triton.next_power_of_2(Dm))), "block_c": min(16, max(2, triton.next_power_of_2(Kc))),
+    cfg = {"block_d": min(512, max(16, triton.next_power_of_2(Dm))), "block_c": min(8, max(2, triton.next_power_of_2(Kc))),
            "warps": 4, "stages": 3, "d_fast": False, **(tuning or {})}
     n_d = triton.cdiv(Dm, cfg["block_d"])
     candidate_hidden_grad_kernel[(n_d, M) if cfg["d_fast"] else (M, n_d)](

@@ -15,15 +15,17 @@ L2_BYTES = 60 * 2**20  # H200; inputs are rotated so one timed pass touches seve
 
 
 def env_info() -> dict:
-    """Hardware, versions and git revision (`TFM_GIT_REV` where the copy has no .git)."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                               text=True).stdout.strip()
-        rev += "-dirty" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        rev = os.environ.get("TFM_GIT_REV", "unknown")
+    """Hardware, versions and git revision (`TFM_GIT_REV` when set: a device copy's .git may be stale)."""
+    rev = os.environ.get("TFM_GIT_REV")
+    if not rev:
+        try:
+            rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                 check=True).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
+                                   text=True).stdout.strip()
+            rev += "-dirty" if dirty else ""
+        except (OSError, subprocess.CalledProcessError):
+            rev = "unknown"
     import triton
 
     info = dict(torch=torch.__version__, triton=triton.__version__, git_rev=rev,

@@ -212,7 +212,9 @@ def main(argv=None) -> dict:
     opt = torch.optim.AdamW(obj.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=cuda)  # as the trainer
     ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "train_batch_size": args.global_batch, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": cuda}, "steps_per_print": 10 ** 9}
+              "zero_optimization": {"stage": args.zero_stage},
+              "bf16": {"enabled": cuda, "check_grad_overflow": False},        # as the trainer (TrainConfig)
+              "steps_per_print": 10 ** 9}
     engine, _, _, _ = deepspeed.initialize(model=obj, optimizer=opt, config=ds_cfg, dist_init_required=False)
     pool = [synthetic_rows(args.global_batch, p, seed=s, device=device, candidates=args.candidates)
             for s in range(4)]

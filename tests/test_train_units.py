@@ -182,3 +182,14 @@ def test_shard_data_refuses_missing_and_wrong_mode_folders(tmp_path):
     with pytest.raises(ValueError, match="no shards listed"):
         ShardData([str(tmp_path)], mode="text_only", heldout_fraction=0.1, cache_dir=str(tmp_path / "c"))
     assert not os.path.exists(tmp_path / "c") or not os.listdir(tmp_path / "c")
+
+
+def test_non_finite_loss_or_gradient_norm_stops_the_run():
+    from pipelines.train.loop import check_finite
+    check_finite(3, 1.25, 0.5)
+    check_finite(3, 1.25, None)                                      # no clipping: no norm
+    for loss, gn in ((float("nan"), 1.0), (1.0, float("inf")), (float("-inf"), None)):
+        with pytest.raises(FloatingPointError, match="step 3"):
+            check_finite(3, loss, gn)
+    ds = TrainConfig.from_dict({"data": ["x"], "output_dir": "y"}).deepspeed_config(world_size=1, bf16=True)
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False}

@@ -136,6 +136,14 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     return Trainer(cfg).run(progress)
 
 
+def check_finite(step: int, loss: float, grad_norm: float | None) -> None:
+    """Stop on a non-finite loss or gradient norm (DeepSpeed's own per-parameter scan is off under bf16): the
+    step has been applied, so the run ends here and a resume starts from the last checkpoint."""
+    if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+        raise FloatingPointError(f"step {step}: loss {loss}, gradient norm {grad_norm}; stopping (the last "
+                                 f"checkpoint is kept)")
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         import deepspeed
@@ -233,14 +241,14 @@ class Trainer:
             dist.all_reduce(total)
         done = step + 1
         loss_mean = float(total[0]) / (cfg.grad_accum * self.world)
-        if not math.isfinite(loss_mean):
-            raise FloatingPointError(f"step {done}: loss is {loss_mean}; stopping (last checkpoint is kept)")
+        gn = engine.get_global_grad_norm()                   # before clipping; None without clipping
+        gn = float(gn) if gn is not None else None
+        check_finite(done, loss_mean, gn)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss_mean:.4f}")
         if done % cfg.log_every == 0 or done == cfg.steps:
-            gn = engine.get_global_grad_norm()
             self.metrics.write("train", done, {"loss": loss_mean, "lr": self.sched.get_last_lr()[0],
-                                               "grad_norm": float(gn) if gn is not None else None,
+                                               "grad_norm": gn,
                                                "step_seconds": time.perf_counter() - t0})
         if done % cfg.eval_every == 0 or done == cfg.steps:
             self.evaluate(done)

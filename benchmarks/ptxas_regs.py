@@ -2,7 +2,8 @@
 
     python benchmarks/ptxas_regs.py prep:16:32:3:4 solve:16:16:4:1:64 [--maxnreg 128] [--pdl]
 
-prep:BT:BC:NW:warps[:part] (part 0: one launch, 1: diagonal programs, 2: tiles of a split prep)
+prep:BT:BC:NW:warps[:part] (part 0: one launch, 1: diagonal programs, 2: tiles of a split prep,
+3: tiles deriving G and the norms themselves)
 and solve:BT:BV:warps:prefetch:KC (Qwen3.6-27B shapes: K = V = 128, bf16 q/k/v,
 GV = 3). Triton lowers to PTX for the target without a driver; the ptxas shipped with Triton
 reports registers and spill bytes (`-v`), which decide how many programs fit on an SM.
@@ -53,17 +54,18 @@ def main():
     ap.add_argument("specs", nargs="+", help="prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:prefetch:KC")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap (prep launches)")
     ap.add_argument("--pdl", action="store_true", help="with programmatic dependent launch")
+    ap.add_argument("--root", action="store_true", help="with the root fold (single_root)")
     args = ap.parse_args()
     for spec in args.specs:
         kind, *v = spec.split(":")
         v = [int(x) for x in v]
         if kind == "prep" and len(v) in (4, 5):
             c = dict(NW=v[2], BT=v[0], BK=128, BC=v[1], USE_L2NORM=True, DOT_PREC="tf32", PDL=args.pdl,
-                     PART=v[4] if len(v) == 5 else 0)
+                     PART=v[4] if len(v) == 5 else 0, ROOT=int(args.root))
             print(spec, ptxas_report(tree_gdn_prep_kernel, c, v[3], args.maxnreg), flush=True)
         elif kind == "solve" and len(v) == 5:
             c = dict(BT=v[0], BK=128, BV=v[1], KC=v[4], STATE_V_FIRST=False, DOT_PREC="tf32",
-                     PREFETCH=bool(v[3]), PDL=args.pdl)
+                     PREFETCH=bool(v[3]), PDL=args.pdl, ROOT=int(args.root), USE_L2NORM=True)
             print(spec, ptxas_report(tree_gdn_solve_kernel, c, v[2], num_stages=1), flush=True)  # as launched
         else:
             sys.exit(f"expected prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:prefetch:KC, got {spec!r}")

@@ -37,8 +37,8 @@ GOAL_SPEEDUP = {64: 5.0, 65: 5.0}
 # prep's column tile, register cap (0: none) and split into two launches, and programmatic
 # dependent launch
 KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "prep_split", "pdl", "solve_kc")
-# every keyword a timed configuration may set (the tuples of CONFIGS, the root fold, the prep launches side by side)
-CFG_KEYS = KEYS + ("single_root", "prep_streams")
+# every keyword a timed configuration may set (the tuples of CONFIGS and the root fold)
+CFG_KEYS = KEYS + ("single_root",)
 CONFIGS = [dict(zip(KEYS, c)) for c in [
     (16, 16, 4, 16, True, 0, False, True, 128), (16, 16, 4, 16, True, 128, False, True, 128),
     (16, 16, 4, 32, True, 0, False, True, 128), (16, 16, 4, 32, True, 0, False, False, 128),
@@ -61,8 +61,7 @@ def default_config(n):
 
 def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
-    prep, the solve's dot width (64 or 128 columns) or the root fold (single_root) toggled, and
-    with the split prep's launches side by side (prep_streams)."""
+    prep, the solve's dot width (64 or 128 columns) or the root fold (single_root) toggled."""
     if quick:
         d = default_config(n)
         kc = 64 if d["solve_kc"] == 128 else 128
@@ -70,8 +69,6 @@ def configs_for(n, quick=False):
                dict(d, solve_kc=kc, prep_split=not d["prep_split"])]
         if root_folded(True, n, d["block_t"]):
             out.append(dict(d, single_root=False))
-        if d["prep_split"]:
-            out.append(dict(d, prep_streams=True))
         return [c for i, c in enumerate(out) if c not in out[:i]]
     return [dict(c, single_root=True) for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 

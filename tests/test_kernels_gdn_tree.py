@@ -123,10 +123,6 @@ VERIFY_CASES = [
     (1, 17, [17], 2, 4, 16, 16, "chain", torch.float32, {"single_root": True, "g_const": -30.0}),
     (2, 81, [81, 70], 1, 2, 16, 16, "spine", torch.float32, {"single_root": True, "solve_kc": 16,
                                                             "prefetch": False}),
-    # the tiles beside the diagonal programs (they derive G and the norms themselves)
-    (2, 70, [70, 33], 2, 4, 16, 16, "random", torch.float16, {"prep_split": True, "prep_streams": True}),
-    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": True,
-                                                            "prep_streams": True, "nan_padding": True}),
 ]
 
 
@@ -150,8 +146,7 @@ def run_verify(case, seed=0):
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], use_qk_l2norm=l2, state_v_first=vf,
                                precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
                                prefetch=extra.get("prefetch", True), prep_split=extra.get("prep_split"),
-                               solve_kc=extra.get("solve_kc"), single_root=extra.get("single_root"),
-                               prep_streams=extra.get("prep_streams", False))
+                               solve_kc=extra.get("solve_kc"), single_root=extra.get("single_root"))
     assert torch.equal(dpool, before), "verify wrote the committed state"
     if extra.get("nan_padding"):
         for b, n in enumerate(ns):  # the float64 reference reads nothing past n either
@@ -334,7 +329,7 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
                                         (129, "spine", None), (129, "spine", (16, 16, 4)),
                                         (129, "spine", (32, 64, 8)), (129, "spine", (64, 64, 8)),
                                         (65, "eagle", "split"), (129, "spine", "split"),
-                                        (65, "eagle", "root"), (129, "spine", "root"), (129, "spine", "streams")])
+                                        (65, "eagle", "root"), (129, "spine", "root")])
 def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     """Qwen3.6-27B GDN shape, bf16 inputs, tf32 dots: o within bf16 rounding, commit < 2e-3."""
     gen = torch.Generator().manual_seed(n)
@@ -342,10 +337,10 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num, sidx)]
     dpool = pool.cuda()
-    split, root, streams = cfg == "split", cfg == "root", cfg == "streams"
-    bt, bv, nw = (None, None, None) if isinstance(cfg, str) or cfg is None else cfg
-    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split or streams,
-                               single_root=root or streams, prep_streams=streams)
+    split, root = cfg == "split", cfg == "root"
+    bt, bv, nw = (None, None, None) if split or root or cfg is None else cfg
+    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split,
+                               single_root=root)
     ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)

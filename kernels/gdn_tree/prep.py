@@ -176,15 +176,16 @@ def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_
                       rows, m_N, p_blk, N, H, HV, K, NPAD, NW: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BC: tl.constexpr, USE_L2NORM: tl.constexpr,
                       DOT_PREC: tl.constexpr, FROM_STASH: tl.constexpr, ROOT: tl.constexpr):
-    """AP rows of block t over columns (nodes) c BC .. c BC + BC - 1 below the block's first node
-    ROOT + t BT (with ROOT, node 0 is a column of every block, block 0 included).
+    """AP rows of block t over columns c BC .. c BC + BC - 1 (nodes below the block; node
+    ROOT + column, see `tree_gdn_prep_kernel`).
 
     G and the inverse norms are derived here from g, the ancestor words and q/k, or (FROM_STASH)
     read back from G and RN, written by the diagonal programs of an earlier launch.
     """
     o_i = tl.arange(0, BT)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < ROOT + i_t * BT
+    o_l = i_c * BC + tl.arange(0, BC)                  # columns of AP
+    m_c = o_l < i_t * BT
+    o_c = ROOT + o_l                                   # their nodes
     if FROM_STASH:
         b_k = load_rows(k, rows, m_N, i_b, i_h, N, H, K, BK)
         b_q = load_rows(q, rows, m_N, i_b, i_h, N, H, K, BK)
@@ -207,7 +208,7 @@ def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_
                    b_rkc[None, :], 0.)
     b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :],
                    0.)
-    p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_c[None, :]
+    p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_l[None, :]
     tl.store(p_ap, b_a, mask=m_c[None, :])
     tl.store(p_ap + BT * NPAD, -b_p, mask=m_c[None, :])
 
@@ -250,9 +251,8 @@ def tree_gdn_prep_kernel(
     ROOT: tl.constexpr,
 ):
     """ROOT = 1 (`tree_gdn_verify(single_root=True)`): node 0 is every node's ancestor and the solve
-    takes it first, alone, so the blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..); node 0
-    is a column of every block's AP, and the diagonal program of block 0 also stores node 0's G
-    (= g_0) and inverse norms."""
+    folds it into the state, so the blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..) and the
+    diagonal program of block 0 also stores G of node 0 (= g_0, for the commit)."""
     if PDL:
         # this launch may start before the kernel before it has finished: wait for it (and its
         # writes, e.g. q/k/v) before any load. Only then let the next launch be scheduled: the solve
@@ -262,14 +262,13 @@ def tree_gdn_prep_kernel(
     # programs 0 .. NB-1 are the diagonal blocks, the NT others the off-diagonal tiles (block t
     # has cdiv(t BT, BC) of them), so no program is empty. PART 0: all in one grid (NB + NT,
     # B * HV); PART 1: the diagonal programs alone (NB, B * HV); PART 2: the tiles alone
-    # (NT, B * HV), reading G and the norms that a PART 1 launch stored; PART 3: the tiles alone,
-    # deriving G and the norms themselves (so they can run beside a PART 1 launch).
+    # (NT, B * HV), reading G and the norms that a PART 1 launch stored.
     i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    if PART >= 2:
+    if PART == 2:
         i_p += NB
     i_t, i_c, r = i_p, 0, i_p - NB
-    for s in range(1 - ROOT, NB):
-        cnt = tl.cdiv(s * BT + ROOT, BC)
+    for s in range(1, NB):
+        cnt = tl.cdiv(s * BT, BC)
         hit = (r >= 0) & (r < cnt)
         i_t = tl.where(hit, s, i_t)
         i_c = tl.where(hit, r, i_c)
@@ -283,7 +282,7 @@ def tree_gdn_prep_kernel(
     i_s = tl.load(state_idx + i_b)
     n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
     p_blk = (i_bh * NB + i_t) * 2 * BT
-    if PART >= 2 or (PART == 0 and i_p >= NB):
+    if PART == 2 or (PART == 0 and i_p >= NB):
         off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
                           rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
                           DOT_PREC, PART == 2, ROOT)
@@ -291,13 +290,5 @@ def tree_gdn_prep_kernel(
         diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h,
                        i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC)
         if ROOT:
-            # node 0's G and inverse norms (read only by block 0's program)
-            r0 = tl.arange(0, 16)
-            m_0 = r0 < tl.where(i_t == 0, 1, 0)             # (block-shaped: see solve_root)
-            b_g0 = tl.load(g + (i_b * N + r0) * HV + i_hv, mask=m_0, other=0.).to(tl.float32)
-            b_rk0 = inv_norm(k, r0, m_0, i_b, i_h, N, H, K, BK, USE_L2NORM)
-            b_rq0 = inv_norm(q, r0, m_0, i_b, i_h, N, H, K, BK, USE_L2NORM) * scale
-            m_st = r0 < tl.where((i_t == 0) & (n > 0), 1, 0)
-            tl.store(G + (i_b * N + r0) * HV + i_hv, tl.where(m_st, b_g0, 0.), mask=m_0)
-            tl.store(RN + i_bh * 2 * N + r0, tl.where(m_st, b_rk0, 0.), mask=m_0)
-            tl.store(RN + (i_bh * 2 + 1) * N + r0, tl.where(m_st, b_rq0, 0.), mask=m_0)
+            b_g0 = tl.load(g + i_b * N * HV + i_hv).to(tl.float32)
+            tl.store(G + i_b * N * HV + i_hv, tl.where(n > 0, b_g0, 0.), mask=i_t == 0)

@@ -13,7 +13,6 @@ The first term is one dot of the stacked [k_t ; q_t] rows with S0 (off the seria
 block's rows are read while the current one waits); the second takes all earlier blocks at once
 ([2BT, NPAD] @ [NPAD, BV]), re-reading V'_<t from the `vnew` stash this program wrote.
 """
-import contextlib
 import functools
 import os
 from typing import NamedTuple
@@ -53,22 +52,22 @@ def load_rows(q, k, v, beta, rows, n, i_b, i_h, i_hv, N, H, HV, K, V, o_k, o_v, 
 
 
 @triton.jit
-def load_scales(G, RN, rows, n, i_b, i_hv, i_bh, N, HV, BT: tl.constexpr):
-    """The prep's per-row factors for the stacked rows: e^G and the inverse k (or q) norm [2BT]."""
+def load_scales(G, RN, rows, n, g0, i_b, i_hv, i_bh, N, HV, BT: tl.constexpr):
+    """The prep's per-row factors for the stacked rows: e^(G - g0) and the inverse k (or q) norm
+    [2BT] (g0: the root's decay where the solve folded the root into the state, else 0)."""
     o_r = tl.arange(0, 2 * BT)
     m_r = rows < n
-    b_eG = tl.exp(tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.))
+    b_eG = tl.exp(tl.where(m_r, tl.load(G + (i_b * N + rows) * HV + i_hv, mask=m_r, other=0.) - g0, 0.))
     b_rn = tl.load(RN + (i_bh * 2 + (o_r >= BT)) * N + rows, mask=m_r, other=0.)
     return b_eG, b_rn
 
 
 @triton.jit
-def solve_root(q, k, v, g, beta, vnew, o, b_s, n, scale, i_b, i_h, i_hv, N, H, HV, K, V, o_k, o_v,
-               m_v, USE_L2NORM: tl.constexpr):
-    """Node 0, the ancestor of every node, solved alone before the blocks (its block is 1 x 1):
-    v'_0 = beta_0 (v_0 - e^g_0 k_0 S0), o_0 = e^g_0 q_0 S0 + (q_0 . k_0) v'_0 (fp32 sums over the
-    state tile b_s [BK, BV], which stays as it is), stored to vnew and o. Every later block then
-    takes node 0 as a column of its AP rows."""
+def fold_root(q, k, v, g, beta, vnew, o, b_s, n, scale, i_b, i_h, i_hv, N, H, HV, K, V, o_k, o_v,
+              m_v, USE_L2NORM: tl.constexpr):
+    """Node 0, the ancestor of every node, folded into the state tile b_s [BK, BV] (fp32 sums):
+    v'_0 = beta_0 (v_0 - e^g_0 k_0 S0), S_root = e^g_0 S0 + k_0 v'_0^T, o_0 = q_0 S_root, stored
+    to vnew and o. Returns (S_root tile, g_0); the other nodes then see S_root and e^(G - g_0)."""
     m_0 = n > 0
     m_k = o_k < tl.where(m_0, K, 0)                    # (a block-shaped mask: the interpreter
     m_v0 = o_v < tl.where(m_0, V, 0)                   # rejects a scalar & block one)
@@ -80,13 +79,14 @@ def solve_root(q, k, v, g, beta, vnew, o, b_s, n, scale, i_b, i_h, i_hv, N, H, H
     if USE_L2NORM:
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-    b_q = b_q * scale
     b_e = tl.exp(b_g0)
     b_vn = b_beta0 * (b_v - b_e * tl.sum(b_k[:, None] * b_s, 0))                      # [BV]
-    b_o = b_e * tl.sum(b_q[:, None] * b_s, 0) + tl.sum(b_q * b_k) * b_vn
+    b_s = b_e * b_s + b_k[:, None] * b_vn[None, :]
+    b_o = tl.sum((b_q * scale)[:, None] * b_s, 0)
     p_0 = (i_b * N * HV + i_hv) * V + o_v
     tl.store(vnew + p_0, b_vn, mask=m_v)
     tl.store(o + p_0, b_o.to(o.dtype.element_ty), mask=m_v)
+    return b_s, b_g0
 
 
 @triton.jit(do_not_specialize=["N", "H", "HV", "NB"])
@@ -96,8 +96,8 @@ def tree_gdn_solve_kernel(
     STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
     ROOT: tl.constexpr, USE_L2NORM: tl.constexpr,
 ):
-    """ROOT = 1: node 0 is every node's ancestor; it is solved first, alone (`solve_root`), and the
-    blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..) with node 0 as an AP column."""
+    """ROOT = 1: node 0 is every node's ancestor; it is folded into the state tile first
+    (`fold_root`) and the blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -113,10 +113,10 @@ def tree_gdn_solve_kernel(
     # [BK, BV]
     b_s = tl.load(p_s, mask=tl.where(i_s >= 0, (o_k < K)[:, None] & m_v[None, :], False),
                   other=0.).to(tl.float32)
+    g0 = 0.
     if ROOT:
-        solve_root(q, k, v, g, beta, vnew, o, b_s, n, scale, i_b, i_h, i_hv, N, H, HV, K, V, o_k, o_v,
-                   m_v, USE_L2NORM)
-        tl.debug_barrier()                             # block 0 re-reads v'_0 (other threads wrote it)
+        b_s, g0 = fold_root(q, k, v, g, beta, vnew, o, b_s, n, scale, i_b, i_h, i_hv, N, H, HV, K, V,
+                            o_k, o_v, m_v, USE_L2NORM)
     n_loc = tl.maximum(n - ROOT, 0)                    # nodes in the blocks
     b_sh, b_sl = state_split(b_s, q.dtype.element_ty)
     # rows of the stacked [2BT, *] tiles: r < BT is node t BT + r of the V' (k) half, r >= BT the
@@ -133,29 +133,29 @@ def tree_gdn_solve_kernel(
                                  V, o_k, o_v, m_v, BT)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    b_eG, b_rn = load_scales(G, RN, ROOT + o_r % BT, n, i_b, i_hv, i_bh, N, HV, BT)
+    b_eG, b_rn = load_scales(G, RN, ROOT + o_r % BT, n, g0, i_b, i_hv, i_bh, N, HV, BT)
     for i_t in range(0, tl.cdiv(n_loc, BT)):
         rows = ROOT + i_t * BT + o_r % BT
         if not PREFETCH:
             b_x, b_beta, b_v = load_rows(q, k, v, beta, rows, n, i_b, i_h, i_hv, N, H, HV, K, V,
                                          o_k, o_v, m_v, BT)
-            b_eG, b_rn = load_scales(G, RN, rows, n, i_b, i_hv, i_bh, N, HV, BT)
+            b_eG, b_rn = load_scales(G, RN, rows, n, g0, i_b, i_hv, i_bh, N, HV, BT)
         b_c = tl.where(m_top, -b_beta, 1.) * b_eG * b_rn
         # [2BT, BV] = [beta (v - e^G rk k S0) ; e^G rq q S0]
         b_y = b_beta[:, None] * b_v + b_c[:, None] * state_dot(b_x, b_sh, b_sl, DOT_PREC)
         if PREFETCH:
             b_x, b_beta, b_v = load_rows(q, k, v, beta, rows + BT, n, i_b, i_h, i_hv, N, H, HV, K,
                                          V, o_k, o_v, m_v, BT)
-            b_eG, b_rn = load_scales(G, RN, rows + BT, n, i_b, i_hv, i_bh, N, HV, BT)
+            b_eG, b_rn = load_scales(G, RN, rows + BT, n, g0, i_b, i_hv, i_bh, N, HV, BT)
         p_blk = (i_bh * NB + i_t) * 2 * BT
         # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
-        for i_c in range(0, tl.cdiv(ROOT + i_t * BT, KC)):
+        for i_c in range(0, tl.cdiv(i_t * BT, KC)):
             o_c = i_c * KC + tl.arange(0, KC)
-            m_c = o_c < ROOT + i_t * BT
-            # [2BT, KC] and [KC, BV]; columns of later blocks are masked to zero
+            m_c = o_c < i_t * BT
+            # [2BT, KC] and [KC, BV] (nodes ROOT + o_c); columns of later blocks are masked to zero
             b_ap = tl.load(AP + (p_blk + o_r[:, None]) * NPAD + o_c[None, :], mask=m_c[None, :],
                            other=0.)
-            b_u = tl.load(vnew + ((i_b * N + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
+            b_u = tl.load(vnew + ((i_b * N + ROOT + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
                           mask=m_c[:, None] & m_v[None, :], other=0.)
             b_y -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
         # [2BT, 2BT] @ [2BT, BV] -> [V'_t ; O_t]
@@ -176,12 +176,6 @@ def tree_gdn_solve_kernel(
         b_z = tl.zeros([BT, BV], dtype=tl.float32)
         tl.store(vnew + p_out, b_z, mask=m_st)
         tl.store(o + p_out, b_z.to(o.dtype.element_ty), mask=m_st)
-
-
-@functools.lru_cache(maxsize=None)
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The second stream of `prep_streams`, one per device."""
-    return torch.cuda.Stream(device)
 
 
 @functools.lru_cache(maxsize=1)
@@ -226,7 +220,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
                     prefetch=None, solve_kc=None, prep_warps=None, prep_maxnreg=None, prep_split=None,
-                    pdl=None, single_root=None, prep_streams=False, stages=("prep", "solve")):
+                    pdl=None, single_root=None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -263,9 +257,6 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             and its first rows) while the prep runs. Default: on CUDA devices of compute
             capability >= 9 (Hopper) with a Triton that supports it, off elsewhere and under
             TRITON_INTERPRET.
-        prep_streams: with the split prep, run its two launches side by side (the tiles on a second
-            stream, deriving G and the norms themselves) instead of one after the other; the solve
-            waits for both. CUDA only (tuning).
         single_root: node 0 is an ancestor of every real node of every request (a tree rooted at
             node 0, as a decoder's verify trees are). Then when N = 1 (mod block_t), the solve
             folds node 0 into the state first (a rank-1 update of each state tile) and the
@@ -332,9 +323,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     anc, num_nodes, state_idx = anc.contiguous(), num_nodes.contiguous(), state_idx.contiguous()
     dev, f32 = v.device, torch.float32
     ROOT = root_folded(single_root, N, BT)
-    NB = triton.cdiv(N - ROOT, BT)                     # blocks (node 0 alone first with ROOT)
-    # columns of the off-diagonal rows: every node before the last block (node 0 too with ROOT)
-    NPAD = max(16, triton.next_power_of_2((NB - 1) * BT + ROOT))
+    NB = triton.cdiv(N - ROOT, BT)
+    # columns of the off-diagonal rows: every node of blocks 0 .. NB-2
+    NPAD = max(16, triton.next_power_of_2((NB - 1) * BT))
     BK = max(16, triton.next_power_of_2(K))
     o = torch.empty_like(v)
     vnew = torch.empty(B, N, HV, V, dtype=f32, device=dev)
@@ -343,30 +334,21 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     AP = torch.empty(B * HV, NB, 2 * BT, NPAD, dtype=f32, device=dev)
     W = torch.empty(B * HV, NB, 2 * BT, 2 * BT, dtype=f32, device=dev)
     BC = min(NPAD, BC)
-    # off-diagonal tiles: block t has cdiv(ROOT + t BT, BC) of BC columns
-    NT = sum(triton.cdiv(t * BT + ROOT, BC) for t in range(1 - ROOT, NB))
+    # off-diagonal tiles: block t has cdiv(t BT, BC) of BC columns
+    NT = sum(triton.cdiv(t * BT, BC) for t in range(1, NB))
     launch = {"launch_pdl": True} if pdl else {}
     if "prep" in stages:
         extra = dict({"maxnreg": prep_maxnreg} if prep_maxnreg else {}, **launch)
         # one launch of NB diagonal + NT tile programs, or (prep_split) the diagonal programs,
-        # then the tiles reading the G and norms they stored, or (prep_streams) beside them
-        beside = prep_streams and prep_split and NT > 0
-        side = beside and v.is_cuda                       # (the interpreter runs them in turn)
-        parts = [(1, NB), (3 if beside else 2, NT)] if prep_split else [(0, NB + NT)]
-        if side:
-            main, aside = torch.cuda.current_stream(v.device), _side_stream(v.device)
-            aside.wait_stream(main)
+        # then the tiles reading the G and norms they stored
+        parts = [(1, NB), (2, NT)] if prep_split else [(0, NB + NT)]
         for part, programs in parts:
             if programs:
-                with torch.cuda.stream(aside) if side and part == 3 else contextlib.nullcontext():
-                    # (main waits for aside before the solve, so tensors freed later are reused in order)
-                    tree_gdn_prep_kernel[(programs, B * HV)](
-                        q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
-                        NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
-                        DOT_PREC=precision, PDL=pdl and part != 3, PART=part, ROOT=ROOT,
-                        num_warps=prep_warps or 4, **(extra if part != 3 else {}))
-        if side:
-            main.wait_stream(aside)
+                tree_gdn_prep_kernel[(programs, B * HV)](
+                    q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
+                    NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
+                    DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, num_warps=prep_warps or 4,
+                    **extra)
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, g, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, scale, N, H,

@@ -168,3 +168,31 @@ def test_gpu_tail_last_program(cfg):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(out, want))
+
+
+@gpu_only
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90+")
+def test_gpu_pdl_log_softmax_launch_matches_plain():
+    """pdl=True (the log-softmax launch scheduled while the logits kernel drains, waiting in gdc_wait) gives bitwise
+    the plain launch's outputs, eagerly and replayed in a CUDA graph after new inputs were written."""
+    hidden, weight, cand = make_inputs(65, 512, 5120, 32000, torch.bfloat16, pad_frac=0.05, device="cuda")
+    cfg = dict(BLOCK_K=4, BLOCK_D=2048, num_warps=4, num_stages=3)
+    want = candidate_logits_fwd(hidden, weight, cand, None, None, True, cfg)
+    got = candidate_logits_fwd(hidden, weight, cand, None, None, True, dict(cfg, pdl=True))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    h = hidden.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        candidate_logits_fwd(h * 1.0, weight, cand, None, None, True, dict(cfg, pdl=True))
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    h.zero_()
+    with torch.cuda.graph(graph):
+        out = candidate_logits_fwd(h * 1.0, weight, cand, None, None, True, dict(cfg, pdl=True))
+    for _ in range(3):
+        h.copy_(hidden)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, want))

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import pdl_supported
+
 
 @triton.jit
 def candidate_logits_fwd_kernel(
@@ -20,8 +22,12 @@ def candidate_logits_fwd_kernel(
     s_hm, s_wv, s_cm, s_bm, Kc, Dm, V, inv_t_scalar,
     HAS_BIAS: tl.constexpr, INV_T_PER_ROW: tl.constexpr, FUSED: tl.constexpr, STORE_LSE: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, counter=None, LAST_DONE: tl.constexpr = False,
-    BLOCK_C: tl.constexpr = 16,
+    BLOCK_C: tl.constexpr = 16, PDL_TRIGGER: tl.constexpr = False,
 ):
+    if PDL_TRIGGER:
+        # the log-softmax launch may be scheduled once every program here has started (it waits for
+        # this grid's completion in gdc_wait before it reads a logit)
+        tl.extra.cuda.gdc_launch_dependents()
     i_m, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_k = o_k < Kc
@@ -66,7 +72,10 @@ def candidate_logits_fwd_kernel(
 @triton.jit
 def candidate_log_softmax_kernel(
     logits, cand, logprobs, lse, s_cm, Kc, V, BLOCK_C: tl.constexpr, STORE_LSE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     row_log_softmax(logits, cand, logprobs, lse, tl.program_id(0).to(tl.int64), s_cm, Kc, V, BLOCK_C, STORE_LSE)
 
 
@@ -134,6 +143,7 @@ def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse
     tail = cfg.get("tail", "kernel")
     assert tail in ("kernel", "last"), tail
     last = n_kb > 1 and tail == "last"
+    pdl = n_kb > 1 and not last and cfg.get("pdl", False) and pdl_supported(dev)
     block_c = min(1024, triton.next_power_of_2(Kc))
     candidate_logits_fwd_kernel[(M, n_kb)](
         hidden, weight, cand, bias, inv_temperature if per_row else None, logits, logprobs, lse,
@@ -142,11 +152,12 @@ def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse
         HAS_BIAS=bias is not None, INV_T_PER_ROW=per_row, FUSED=n_kb == 1, STORE_LSE=return_lse,
         BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         counter=torch.zeros(M, dtype=torch.int32, device=dev) if last else None, LAST_DONE=last, BLOCK_C=block_c,
+        PDL_TRIGGER=pdl,
     )
     if n_kb > 1 and not last:
         candidate_log_softmax_kernel[(M,)](
             logits, cand, logprobs, lse, cand.stride(0), Kc, V,
-            BLOCK_C=block_c, STORE_LSE=return_lse, num_warps=4,
+            BLOCK_C=block_c, STORE_LSE=return_lse, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
         )
     return (logits, logprobs, lse) if return_lse else (logits, logprobs)
 

@@ -13,14 +13,13 @@ The first term is one dot of the stacked [k_t ; q_t] rows with S0 (off the seria
 block's rows are read while the current one waits); the second takes all earlier blocks at once
 ([2BT, NPAD] @ [NPAD, BV]), re-reading V'_<t from the `vnew` stash this program wrote.
 """
-import functools
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ..launch import pdl_supported
 from .prep import state_dot, state_split, tree_gdn_prep_kernel
 from .tree import MAX_NODES, rooted_at_node0, tree_ancestor_bits
 
@@ -176,24 +175,6 @@ def tree_gdn_solve_kernel(
         b_z = tl.zeros([BT, BV], dtype=tl.float32)
         tl.store(vnew + p_out, b_z, mask=m_st)
         tl.store(o + p_out, b_z.to(o.dtype.element_ty), mask=m_st)
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_has_pdl() -> bool:
-    """Whether this Triton has gdc_wait / gdc_launch_dependents and the launch_pdl launch option."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return (hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
-            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol) needs sm_90+ and a Triton that exposes it (3.6 does);
-    the interpreter has none."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1" and _triton_has_pdl()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def _config(N):

@@ -19,13 +19,9 @@ from kernels.candidate_logits.triton import candidate_logits, candidate_logits_f
 from tfm_runtime.io import atomic_write_json
 
 PEAK_BW = 4.8e12
-# Tuning sweep (BLOCK_K, BLOCK_D, num_warps, num_stages, tail, pdl), timed on a few cases only; tail "last": the
-# row's last program does the log-softmax (no second launch); pdl: the log-softmax launch is scheduled while the
-# logits kernel drains (programmatic dependent launch, sm_90+).
-SWEEP = [(32, 256, 4, 3, "kernel", False), (16, 512, 4, 3, "kernel", False), (8, 1024, 4, 3, "kernel", False),
-         (4, 2048, 4, 3, "kernel", False), (16, 256, 4, 4, "kernel", False), (32, 256, 8, 4, "kernel", False),
-         (8, 512, 4, 4, "kernel", False), (4, 2048, 4, 3, "last", False), (32, 256, 4, 3, "last", False),
-         (4, 2048, 4, 3, "kernel", True), (32, 256, 4, 3, "kernel", True)]
+# Tuning sweep (BLOCK_K, BLOCK_D, num_warps, num_stages), timed on a few cases only.
+SWEEP = [(32, 256, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (16, 256, 4, 4), (32, 256, 8, 4),
+         (8, 512, 4, 4)]
 
 
 def make_sets(M, Kc, Dm, V, dtype, dev, gen, copies):
@@ -73,8 +69,8 @@ def bench_case(M, Kc, weight, dev, sweep):
             row[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
     if sweep:
         row["sweep"] = []
-        for bk, bd, w, st, tail, pdl in SWEEP:
-            cfg = dict(BLOCK_K=bk, BLOCK_D=bd, num_warps=w, num_stages=st, tail=tail, pdl=pdl)
+        for bk, bd, w, st in SWEEP:
+            cfg = dict(BLOCK_K=bk, BLOCK_D=bd, num_warps=w, num_stages=st)
             entry = dict(config=cfg)
             try:
                 s_lg, s_lp = candidate_logits_fwd(hidden, weight, cand, None, None, False, cfg)
@@ -127,7 +123,7 @@ def main():
               f"{r['logprobs_max_abs_err']:>8.1e}")
         for s in r.get("sweep", []):
             c = s["config"]
-            print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']} {c['tail']}{' pdl' if c['pdl'] else ''}: "
+            print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']}: "
                   f"{s.get('us', float('nan')):.2f} us ({s.get('time_over_floor', float('nan')):.2f}x) "
                   f"{s.get('error', '')[:60]}")
     print(f"copy bandwidth {bw} TB/s; " + json.dumps(res["env"]))

@@ -2,9 +2,7 @@
 
 Kernel 1, one program per (row m, block of BLOCK_K candidates): gather whole weight rows (coalesced
 along Dm), multiply by the hidden row in fp32 and reduce once after the Dm loop. When a row fits in
-one block it also does the log-softmax; otherwise the log-softmax of a row is done from its logits
-by the last of the row's programs to finish (TAIL "last": a per-row counter, no second launch) or
-by a small per-row kernel (TAIL "kernel").
+one block it also does the log-softmax; otherwise a small per-row kernel does it from the logits.
 Memory bound: it reads M*Kc*Dm + M*Dm input elements and writes 2*M*Kc floats.
 """
 import functools
@@ -13,21 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import pdl_supported
-
 
 @triton.jit
 def candidate_logits_fwd_kernel(
     hidden, weight, cand, bias, inv_t, logits, logprobs, lse,
     s_hm, s_wv, s_cm, s_bm, Kc, Dm, V, inv_t_scalar,
     HAS_BIAS: tl.constexpr, INV_T_PER_ROW: tl.constexpr, FUSED: tl.constexpr, STORE_LSE: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, counter=None, LAST_DONE: tl.constexpr = False,
-    BLOCK_C: tl.constexpr = 16, PDL_TRIGGER: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    if PDL_TRIGGER:
-        # the log-softmax launch may be scheduled once every program here has started (it waits for
-        # this grid's completion in gdc_wait before it reads a logit)
-        tl.extra.cuda.gdc_launch_dependents()
     i_m, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_k = o_k < Kc
@@ -60,35 +51,19 @@ def candidate_logits_fwd_kernel(
         tl.store(logprobs + i_m * Kc + o_k, tl.where(valid, b_l - lse_sub, float("-inf")), mask=m_k)
         if STORE_LSE:
             tl.store(lse + i_m, b_lse)
-    elif LAST_DONE:
-        # every thread's logits stored before the count (release); the row's last program
-        # (acquire) sees them all
-        tl.debug_barrier()
-        done = tl.atomic_add(counter + i_m, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(1) - 1:
-            row_log_softmax(logits, cand, logprobs, lse, i_m, s_cm, Kc, V, BLOCK_C, STORE_LSE)
 
 
 @triton.jit
 def candidate_log_softmax_kernel(
     logits, cand, logprobs, lse, s_cm, Kc, V, BLOCK_C: tl.constexpr, STORE_LSE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    row_log_softmax(logits, cand, logprobs, lse, tl.program_id(0).to(tl.int64), s_cm, Kc, V, BLOCK_C, STORE_LSE)
-
-
-@triton.jit
-def row_log_softmax(logits, cand, logprobs, lse, i_m, s_cm, Kc, V, BLOCK_C: tl.constexpr,
-                    STORE_LSE: tl.constexpr):
-    """logprobs (and lse) of row i_m from its fp32 logits [Kc] (read from L2: written by other programs).
-    Per-lane online max / sum, reduced across lanes at the end."""
+    # One program per row; per-lane online max / sum, reduced across lanes at the end.
+    i_m = tl.program_id(0).to(tl.int64)
     m_v = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
     s_v = tl.zeros([BLOCK_C], dtype=tl.float32)
     for c0 in range(0, Kc, BLOCK_C):
         o_c = c0 + tl.arange(0, BLOCK_C)
-        b_l = tl.load(logits + i_m * Kc + o_c, mask=o_c < Kc, other=float("-inf"), cache_modifier=".cg")
+        b_l = tl.load(logits + i_m * Kc + o_c, mask=o_c < Kc, other=float("-inf"))
         m_new = tl.maximum(m_v, b_l)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         s_v = s_v * tl.exp(m_v - m_use) + tl.exp(b_l - m_use)
@@ -102,7 +77,7 @@ def row_log_softmax(logits, cand, logprobs, lse, i_m, s_cm, Kc, V, BLOCK_C: tl.c
         o_c = c0 + tl.arange(0, BLOCK_C)
         m_c = o_c < Kc
         ids = tl.load(cand + i_m * s_cm + o_c, mask=m_c, other=-1)
-        b_l = tl.load(logits + i_m * Kc + o_c, mask=m_c, other=float("-inf"), cache_modifier=".cg")
+        b_l = tl.load(logits + i_m * Kc + o_c, mask=m_c, other=float("-inf"))
         valid = (ids >= 0) & (ids < V)
         tl.store(logprobs + i_m * Kc + o_c, tl.where(valid, b_l - lse_sub, float("-inf")), mask=m_c)
     if STORE_LSE:
@@ -140,24 +115,17 @@ def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse
         return (logits, logprobs, lse) if return_lse else (logits, logprobs)
     per_row = isinstance(inv_temperature, torch.Tensor)
     n_kb = triton.cdiv(Kc, cfg["BLOCK_K"])
-    tail = cfg.get("tail", "kernel")
-    assert tail in ("kernel", "last"), tail
-    last = n_kb > 1 and tail == "last"
-    pdl = n_kb > 1 and not last and cfg.get("pdl", False) and pdl_supported(dev)
-    block_c = min(1024, triton.next_power_of_2(Kc))
     candidate_logits_fwd_kernel[(M, n_kb)](
         hidden, weight, cand, bias, inv_temperature if per_row else None, logits, logprobs, lse,
         hidden.stride(0), weight.stride(0), cand.stride(0), bias.stride(0) if bias is not None else 0,
         Kc, Dm, V, 1.0 if per_row or inv_temperature is None else float(inv_temperature),
         HAS_BIAS=bias is not None, INV_T_PER_ROW=per_row, FUSED=n_kb == 1, STORE_LSE=return_lse,
         BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        counter=torch.zeros(M, dtype=torch.int32, device=dev) if last else None, LAST_DONE=last, BLOCK_C=block_c,
-        PDL_TRIGGER=pdl,
     )
-    if n_kb > 1 and not last:
+    if n_kb > 1:
         candidate_log_softmax_kernel[(M,)](
             logits, cand, logprobs, lse, cand.stride(0), Kc, V,
-            BLOCK_C=block_c, STORE_LSE=return_lse, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+            BLOCK_C=min(1024, triton.next_power_of_2(Kc)), STORE_LSE=return_lse, num_warps=4,
         )
     return (logits, logprobs, lse) if return_lse else (logits, logprobs)
 

@@ -38,8 +38,8 @@ def profile(fn, q, iters=3):
     return {e.key[:90]: round(e.device_time_total / iters / 1e3, 3) for e in rows}
 
 
-# launch configurations of the gather backward (kernels/candidate_logits/grad.py; {} = the default: 16 x 512
-# tiles, rows fastest, 4 warps, 3 stages; session 7's first sweep chose it over 32 x 256, 12.6 ms)
+# launch configurations of the gather backward (kernels/candidate_logits/grad.py; {} = the default: 8 x 512
+# tiles, 4 warps, 3 stages, chosen by session 7's sweeps over 32 x 256 and 16 x 512)
 HIDDEN_GRAD_SWEEP = [{}, dict(block_c=32, block_d=256), dict(block_c=8, block_d=512), dict(block_c=16, block_d=1024),
                      dict(block_c=8, block_d=1024), dict(warps=8, block_c=16, block_d=1024), dict(stages=4),
                      dict(stages=2), dict(warps=2), dict(block_c=32, block_d=512)]

@@ -20,18 +20,14 @@ from .triton import candidate_logits
 @triton.jit
 def candidate_hidden_grad_kernel(
     dlogits, weight, cand, dhidden, s_wv, s_cm, Kc, Dm, V, inv_t,
-    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, D_FAST: tl.constexpr = False,
+    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dhidden[m, d-block] = inv_t * sum_c dlogits[m, c] * weight[cand[m, c], d-block].
 
-    Grid (M, cdiv(Dm, BLOCK_D)), or (cdiv(Dm, BLOCK_D), M) with D_FAST (a row's d-blocks run side by
-    side). dlogits: fp32 [M, Kc]; weight: [Vocab, Dm]; cand: int [M, Kc] (pads < 0 or >= Vocab are
-    skipped); dhidden: [M, Dm].
+    Grid (M, cdiv(Dm, BLOCK_D)). dlogits: fp32 [M, Kc]; weight: [Vocab, Dm]; cand: int [M, Kc]
+    (pads < 0 or >= Vocab are skipped); dhidden: [M, Dm].
     """
-    if D_FAST:
-        i_m, i_d = tl.program_id(1).to(tl.int64), tl.program_id(0)
-    else:
-        i_m, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_m, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < Dm
     acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
@@ -51,21 +47,19 @@ def candidate_hidden_grad_kernel(
 def candidate_hidden_grad(dlogits: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor, inv_t: float,
                           out_dtype: torch.dtype, tuning: dict | None = None) -> torch.Tensor:
     """dlogits fp32 [M, Kc], weight [Vocab, Dm], cand int [M, Kc] -> dhidden [M, Dm] in out_dtype.
-    `tuning` (benchmarks) overrides block_c, block_d, warps, stages, d_fast. Default: 16 candidates x 512 columns
-    per step, rows fastest; H200, 15360 x 512 replayed candidates, hidden 5120 (benchmarks/results/
-    grouped_scoring_h200.json, hidden_grad): 10.6 ms against 12.6 for 32 x 256."""
+    `tuning` (benchmarks) overrides block_c, block_d, warps, stages. Default: 8 candidates x 512 columns per step;
+    H200, 15360 x 512 replayed candidates, hidden 5120 (benchmarks/results/grouped_scoring_h200.json,
+    session7_hidden_grad_sweeps): 10.0 ms against 10.5 for 16 x 512 and 12.6 for 32 x 256."""
     M, Kc = dlogits.shape
     Dm = weight.shape[1]
     dhidden = torch.empty(M, Dm, dtype=out_dtype, device=dlogits.device)
     if M == 0:
         return dhidden
     cfg = {"block_d": min(512, max(16, triton.next_power_of_2(Dm))), "block_c": min(8, max(2, triton.next_power_of_2(Kc))),
-           "warps": 4, "stages": 3, "d_fast": False, **(tuning or {})}
-    n_d = triton.cdiv(Dm, cfg["block_d"])
-    candidate_hidden_grad_kernel[(n_d, M) if cfg["d_fast"] else (M, n_d)](
+           "warps": 4, "stages": 3, **(tuning or {})}
+    candidate_hidden_grad_kernel[(M, triton.cdiv(Dm, cfg["block_d"]))](
         dlogits, weight, cand, dhidden, weight.stride(0), cand.stride(0), Kc, Dm, weight.shape[0], float(inv_t),
-        BLOCK_C=cfg["block_c"], BLOCK_D=cfg["block_d"], D_FAST=cfg["d_fast"], num_warps=cfg["warps"],
-        num_stages=cfg["stages"])
+        BLOCK_C=cfg["block_c"], BLOCK_D=cfg["block_d"], num_warps=cfg["warps"], num_stages=cfg["stages"])
     return dhidden
 
 

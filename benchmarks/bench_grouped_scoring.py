@@ -25,7 +25,9 @@ V, D, L, K = 248320, 5120, 15, 512
 # (grouped forward, gather backward), then the union backward (bwd_gather=False) as defaulted (bf16 gradient,
 # 128-wide hidden blocks, ids read ahead) and with one of those undone, or with 32-row union blocks
 SWEEP = [{}, dict(bwd_gather=False), dict(bwd_gather=False, bwd_bu=32), dict(bwd_gather=False, bwd_ids_ahead=False),
-         dict(bwd_gather=False, bwd_bd=64), dict(bwd_gather=False, precision="tf32"), dict(stages=4)]
+         dict(bwd_gather=False, bwd_bd=64), dict(bwd_gather=False, precision="tf32"), dict(stages=4),
+         # untimed yet (session 7): wider hidden blocks, so each gathered row is read in 512-byte pieces
+         dict(bwd_gather=False, bwd_bd=256), dict(bwd_gather=False, bwd_bd=256, stages=4)]
 
 
 def profile(fn, q, iters=3):

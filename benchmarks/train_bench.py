@@ -177,6 +177,7 @@ def main(argv=None) -> dict:
     import torch.distributed as dist
 
     from benchmarks._timing import env_info
+    from pipelines.train.config import TrainConfig
     from pipelines.train.loop import init_distributed
     from pipelines.train.weaver_task import WeaverObjective, depth_weights, flops_per_row, initial_weaver
     from tfm_runtime.models.weaver import Weaver, WeaverConfig
@@ -210,11 +211,9 @@ def main(argv=None) -> dict:
     if args.compile:
         obj.forward = torch.compile(obj.forward, mode=args.compile_mode)
     opt = torch.optim.AdamW(obj.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=cuda)  # as the trainer
-    ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-              "train_batch_size": args.global_batch, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": args.zero_stage},
-              "bf16": {"enabled": cuda, "check_grad_overflow": False},        # as the trainer (TrainConfig)
-              "steps_per_print": 10 ** 9}
+    # the trainer's DeepSpeed config (one micro batch per step, gradient clipping 1.0)
+    ds_cfg = TrainConfig(data=["synthetic rows"], output_dir="-", micro_batch=micro,
+                         zero_stage=args.zero_stage).deepspeed_config(world, bf16=cuda)
     engine, _, _, _ = deepspeed.initialize(model=obj, optimizer=opt, config=ds_cfg, dist_init_required=False)
     pool = [synthetic_rows(args.global_batch, p, seed=s, device=device, candidates=args.candidates)
             for s in range(4)]

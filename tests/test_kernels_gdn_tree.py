@@ -14,7 +14,6 @@ if not torch.cuda.is_available():
 
 from kernels.gdn_tree import (check_parents, ref, tree_ancestor_bits, tree_conv1d,  # noqa: E402
                               tree_conv1d_commit, tree_gdn_commit, tree_gdn_verify)
-from kernels.gdn_tree.tree import rooted_at_node0  # noqa: E402
 from kernels.gdn_tree.verify import root_folded  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -245,7 +244,7 @@ def test_single_root_validated_and_detected():
     o, _ = tree_gdn_verify(*d, forest, num, pool.to(DEV), sidx.to(DEV), precision="ieee")
     ro, *_ = ref.tree_gdn_recurrent(q, k, v, g, beta, forest.cpu(), num.cpu(), pool[sidx.long()])
     assert rel_rms(o, ro) < 1e-5
-    assert rooted_at_node0(forest, torch.tensor([16])) and not rooted_at_node0(forest, num)
+    assert check_parents(forest, torch.tensor([16])) and not check_parents(forest, num)
 
 
 def test_references_agree():

@@ -6,8 +6,9 @@ from kernels.tree_utils import ancestor_bitmask
 MAX_NODES = 256
 
 
-def check_parents(parent, num_nodes):
-    """Raise ValueError unless every real node's parent comes before it.
+def check_parents(parent, num_nodes) -> bool:
+    """Raise ValueError unless every real node's parent comes before it; return whether node 0 is an
+    ancestor of every real node of every request (only node 0 has parent -1: `single_root`).
 
     parent[b, i] must satisfy -1 <= parent[b, i] < i for i < num_nodes[b] (-1 = reads the committed
     state; node 0 must have parent -1). Padding entries are ignored. This reads the tensors on the
@@ -27,14 +28,7 @@ def check_parents(parent, num_nodes):
         b, i = (int(t) for t in bad.nonzero()[0])
         raise ValueError(f"parents must be topological (-1 <= parent[b, i] < i): "
                          f"parent[{b}, {i}] = {int(p[b, i])}; permute the nodes first")
-
-
-def rooted_at_node0(parent, num_nodes) -> bool:
-    """Whether node 0 is an ancestor of every real node of every request, i.e. only node 0 has
-    parent -1 (topological parents assumed). Reads the tensors on the host (a device sync)."""
-    p, n = parent.detach().cpu().long(), num_nodes.detach().cpu().long()
-    idx = torch.arange(p.shape[1])
-    return not bool(((idx[None, :] >= 1) & (idx[None, :] < n[:, None]) & (p < 0)).any())
+    return not bool((real & (idx[None, :] >= 1) & (p < 0)).any())
 
 
 def tree_ancestor_bits(parent, num_nodes, check=True):

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..launch import pdl_supported
 from .prep import state_dot, state_split, tree_gdn_prep_kernel
-from .tree import MAX_NODES, rooted_at_node0, tree_ancestor_bits
+from .tree import MAX_NODES, check_parents, tree_ancestor_bits
 
 
 class GDNTreeStash(NamedTuple):
@@ -272,13 +272,13 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         raise ValueError("state_pool must be contiguous (it is indexed by slot, head and layout)")
     if N > MAX_NODES or K > 256:
         raise ValueError(f"supports N <= {MAX_NODES} and K <= 256, got N={N}, K={K}")
-    if single_root is None:
-        single_root = bool(check and parent is not None and anc is None and rooted_at_node0(parent, num_nodes))
-    elif single_root and check and parent is not None and anc is None and not rooted_at_node0(parent, num_nodes):
-        raise ValueError("single_root=True, but a real node other than node 0 has parent -1 (node 0 must be "
-                         "an ancestor of every node)")
     if anc is None:
-        anc = tree_ancestor_bits(parent, num_nodes, check=check)
+        rooted = check_parents(parent, num_nodes) if check else None      # one host read for both
+        if single_root and rooted is False:
+            raise ValueError("single_root=True, but a real node other than node 0 has parent -1 (node 0 must "
+                             "be an ancestor of every node)")
+        single_root = bool(rooted) if single_root is None else single_root
+        anc = tree_ancestor_bits(parent, num_nodes, check=False)
     elif tuple(anc.shape) != (B, N, triton.cdiv(N, 32)):
         raise ValueError(f"expected anc [B, N, ceil(N/32)] = {(B, N, triton.cdiv(N, 32))}, "
                          f"got {tuple(anc.shape)}")

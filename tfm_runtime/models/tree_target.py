@@ -75,12 +75,11 @@ class TreeVerifier:
             mask = {"full_attention": mask, "linear_attention": None}
         anc_bits, single_root = None, False
         if self.backend == "triton" and self.gdn:
-            from kernels.gdn_tree import tree_ancestor_bits       # once per step, shared by every GDN layer
-            from kernels.gdn_tree.tree import rooted_at_node0
+            from kernels.gdn_tree import check_parents, tree_ancestor_bits   # once per step, for every GDN layer
             par = parents.to(device=dev, dtype=torch.int32)[None]
             n = torch.full((1,), N, dtype=torch.int32, device=dev)
-            anc_bits = tree_ancestor_bits(par, n)                # (checks the parents on the host)
-            single_root = rooted_at_node0(par, n)
+            single_root = check_parents(par, n)                  # (on the host)
+            anc_bits = tree_ancestor_bits(par, n, check=False)
         self._ctx = {"parents": parents.to(dev), "stash": {}, "anc_bits": anc_bits, "single_root": single_root}
         try:
             out = self.target(tokens[None].to(dev), position_ids=(start + depths)[None].to(dev),

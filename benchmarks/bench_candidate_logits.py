@@ -21,7 +21,9 @@ from tfm_runtime.io import atomic_write_json
 PEAK_BW = 4.8e12
 # Tuning sweep (BLOCK_K, BLOCK_D, num_warps, num_stages), timed on a few cases only.
 SWEEP = [(32, 256, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (16, 256, 4, 4), (32, 256, 8, 4),
-         (8, 512, 4, 4)]
+         (8, 512, 4, 4),
+         # session 8: around the default 4 x 2048 (hidden 5120 is 2.5 blocks of 2048: 1024 divides it)
+         (4, 1024, 4, 3), (4, 2048, 4, 2), (4, 2048, 4, 4), (4, 2048, 8, 3), (2, 2048, 4, 3), (2, 4096, 4, 3)]
 
 
 def make_sets(M, Kc, Dm, V, dtype, dev, gen, copies):

@@ -82,9 +82,9 @@ def union_stats(cand: torch.Tensor, group: int, lm_head: torch.Tensor) -> dict:
     """Groups of `group` query rows of cand [M, K]: the largest union, the fraction of distinct ids, and the
     grouped scoring's memory floor (both passes read each group's distinct LM-head rows once, 4.8 TB/s)."""
     from kernels.candidate_logits.grouped import group_union
-    union, _ = group_union(cand, group, lm_head.shape[0])
+    union, _, count = group_union(cand, group, lm_head.shape[0])
     distinct = int((union >= 0).sum())
-    return {"union_max": union.shape[1], "distinct_fraction": distinct / cand.numel(),
+    return {"union_max": int(count.max()), "distinct_fraction": distinct / cand.numel(),
             "floor_ms": 2 * distinct * lm_head.shape[1] * lm_head.element_size() / 4.8e12 * 1e3}
 
 
@@ -238,6 +238,17 @@ def main(argv=None) -> dict:
         losses.append(float(total) / world)
         if step >= args.warmup:
             times.append(dt)
+    # back to back, as the trainer runs them (it reads a step's loss and gradient norm one step late): no host
+    # sync between steps, so the host prepares the next step while the GPU runs this one
+    _sync(device)
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        batch = {n: t[rank * micro:(rank + 1) * micro] for n, t in pool[step % len(pool)].items()}
+        loss, _ = engine(batch)
+        engine.backward(loss)
+        engine.step()
+    _sync(device)
+    steady_s = (time.perf_counter() - t0) / args.steps
     profile_summary = None
     if args.profile and cuda and rank == 0:
         from torch.profiler import ProfilerActivity, profile
@@ -270,15 +281,17 @@ def main(argv=None) -> dict:
               "compile_mode": args.compile_mode if args.compile else None,
               "median_step_s": step_s, "samples_per_s": args.global_batch / step_s,
               "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),
+              "steady_step_s": steady_s, "steady_samples_per_s": args.global_batch / steady_s,
+              "steady_mfu": flops * step_s / steady_s / (peak * world),
               "flops_per_sample": flops_per_row(wcfg), "candidate_scoring_fwd_bwd": score,
               "candidate_scoring_share_of_step": score["ms"] / (step_s * 1e3) if score else None, "loss_trace": losses,
               "peak_memory_gib": peak_mem, "profile": profile_summary, "env": env_info()}
     if rank == 0:
         share = f"{result['candidate_scoring_share_of_step']:.0%}" if score else "-"
         print(f"{'preset':<12}{'gpus':>5}{'batch':>7}{'step ms':>9}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>7}"
-              f"{'scoring':>8}")
+              f"{'scoring':>8}{'steady ms':>10}{'MFU':>7}")
         print(f"{args.preset:<12}{world:>5}{args.global_batch:>7}{step_s * 1e3:>9.2f}{result['samples_per_s']:>11.1f}"
-              f"{flops:>9.1f}{result['mfu']:>7.1%}{share:>8}")
+              f"{flops:>9.1f}{result['mfu']:>7.1%}{share:>8}{steady_s * 1e3:>10.2f}{result['steady_mfu']:>7.1%}")
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:

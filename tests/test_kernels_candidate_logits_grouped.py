@@ -42,12 +42,18 @@ def test_grouped_matches_float64(M, Kc, Dm, V, group, dtype, inv_t, pad, chunk, 
 def test_group_union_indexes_every_candidate():
     gen = torch.Generator().manual_seed(3)
     cand = torch.randint(-2, 12, (11, 6), generator=gen)
-    union, pos = group_union(cand, 4, 10)
-    assert union.shape[0] == 3
+    union, pos, count = group_union(cand, 4, 10)
+    assert union.shape == (3, 4 * 6) and union.is_contiguous()
     for m in range(11):
         g = m // 4
-        members = {int(x) for x in cand[g * 4:(g + 1) * 4].flatten() if 0 <= x < 10}
-        assert {int(x) for x in union[g] if x >= 0} == members
+        rows = cand[g * 4:(g + 1) * 4].flatten()
+        members = {int(x) for x in rows if 0 <= x < 10}
+        has_pad = bool(((rows < 0) | (rows >= 10)).any())
+        # sorted distinct ids, one -1 for the group's pads, then -1 up to U
+        assert int(count[g]) == len(members) + has_pad
+        used = [int(x) for x in union[g, :int(count[g])]]
+        assert [x for x in used if x >= 0] == sorted(members) and used.count(-1) == has_pad
+        assert torch.all(union[g, int(count[g]):] == -1)
         for c in range(6):
             if 0 <= cand[m, c] < 10:
                 assert union[g, pos[m, c]] == cand[m, c]
@@ -95,3 +101,21 @@ def test_gpu_bf16_training_shape_matches_the_gather_kernel():
     assert (lp[fin] - lp_g[fin]).abs().max() < 1e-3
     assert (dh.float() - dh_g.float()).norm() / dh_g.float().norm() < 1e-2
     assert (db - db_g).abs().max() < 1e-3
+
+
+@gpu_only
+@pytest.mark.parametrize("tuning", [None, dict(bwd_gather=False)])
+def test_gpu_forward_and_backward_never_sync(tuning):
+    """The union's size is fixed by the shapes (no read-back), so a training step can run ahead of the GPU:
+    CUDA's sync debug mode raises on any host sync inside the call and its backward."""
+    hidden, weight, cand, bias, w = inputs(4 * 15, 512, 256, 32000, torch.bfloat16, 0.01, "cuda")
+    hidden.requires_grad_(True)
+    grouped_candidate_log_probs(hidden, weight, cand, 60, bias=bias, tuning=tuning).sum().backward()  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lp = grouped_candidate_log_probs(hidden, weight, cand, 60, bias=bias, tuning=tuning)
+        (lp.masked_fill(~torch.isfinite(lp), 0) * w).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(hidden.grad).all()

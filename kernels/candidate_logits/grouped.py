@@ -24,16 +24,20 @@ from .grad import candidate_hidden_grad
 
 
 @triton.jit
-def grouped_scores_kernel(hidden, weight, union, scores, s_hm, s_wv, M, U, Dm, V,
+def grouped_scores_kernel(hidden, weight, union, count, scores, s_hm, s_wv, M, U, Dm, V,
                           G: tl.constexpr, GQ: tl.constexpr, BU: tl.constexpr, BD: tl.constexpr,
                           DOT_PREC: tl.constexpr):
     """scores[g, q, u-block] = hidden[g G + q] . weight[union[g, u]] for q < G (fp32, 0 at pads).
 
     Grid (cdiv(U, BU), groups): a group's programs run next to each other, so its hidden rows are read
     from HBM once and from L2 by the others. hidden [M, Dm]; weight [V, Dm]; union int64 [groups, U]
-    (-1 = none); scores fp32 [groups, GQ, U] with GQ >= G a power of 2 >= 16.
+    (-1 = none); count int32 [groups] (union entries in use: programs past it return at once, their
+    scores are never read); scores fp32 [groups, GQ, U] with GQ >= G a power of 2 >= 16 (rows q >= G
+    are not written).
     """
     i_u, i_g = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    if i_u * BU >= tl.load(count + i_g):
+        return
     o_q = tl.arange(0, GQ)
     rows = i_g * G + o_q
     m_q = (o_q < G) & (rows < M)
@@ -49,11 +53,11 @@ def grouped_scores_kernel(hidden, weight, union, scores, s_hm, s_wv, M, U, Dm, V
                       other=0.)                                                          # [GQ, BD]
         b_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.)  # [BU, BD]
         acc += tl.dot(b_h, tl.trans(b_w), input_precision=DOT_PREC)
-    tl.store(scores + (i_g * GQ + o_q[:, None]) * U + o_u[None, :], acc, mask=(o_u < U)[None, :])
+    tl.store(scores + (i_g * GQ + o_q[:, None]) * U + o_u[None, :], acc, mask=m_q[:, None] & (o_u < U)[None, :])
 
 
 @triton.jit
-def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, V,
+def grouped_hidden_grad_kernel(dscores, weight, union, count, dhidden, s_wv, M, U, Dm, V,
                                G: tl.constexpr, GQ: tl.constexpr, BU: tl.constexpr, BD: tl.constexpr,
                                DOT_PREC: tl.constexpr, IDS_AHEAD: tl.constexpr):
     """dhidden[g G + q, d-block] = sum_u dscores[g, q, u] weight[union[g, u], d-block].
@@ -61,8 +65,9 @@ def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, 
     dscores fp32 (an fp32 dot of `DOT_PREC`) or of the weight's 16-bit dtype (a 16-bit dot, fp32 sums).
 
     Grid (cdiv(Dm, BD), groups): a group's programs run next to each other and share its dscores
-    through L2. dscores [groups, GQ, U]; dhidden [M, Dm]. IDS_AHEAD: the next block's union ids are
-    read before this block's weight rows, so the rows' addresses do not wait on a load in the same step.
+    through L2. dscores [groups, GQ, U]; count int32 [groups] (union entries in use; the loop stops there);
+    dhidden [M, Dm]. IDS_AHEAD: the next block's union ids are read before this block's weight rows, so the
+    rows' addresses do not wait on a load in the same step.
     """
     i_d, i_g = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_q = tl.arange(0, GQ)
@@ -73,7 +78,7 @@ def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, 
     acc = tl.zeros([GQ, BD], dtype=tl.float32)
     if IDS_AHEAD:
         ids_next = tl.load(union + i_g * U + tl.arange(0, BU), mask=tl.arange(0, BU) < U, other=-1)
-    for u0 in range(0, U, BU):
+    for u0 in range(0, tl.load(count + i_g), BU):
         o_u = u0 + tl.arange(0, BU)
         if IDS_AHEAD:
             ids = ids_next
@@ -93,31 +98,41 @@ def grouped_hidden_grad_kernel(dscores, weight, union, dhidden, s_wv, M, U, Dm, 
              mask=m_q[:, None] & m_d[None, :])
 
 
-def group_union(cand: torch.Tensor, group: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct candidate ids of each group of `group` consecutive rows.
+def group_union(cand: torch.Tensor, group: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distinct candidate ids of each group of `group` consecutive rows, without a host sync.
 
-    cand int [M, Kc] (ids < 0 or >= vocab are pads) -> union int64 [ceil(M / group), U] (sorted ids, -1 past
-    the group's count; U = the largest count) and pos int64 [M, Kc] (index of cand[m, c] in its group's union,
-    -1 at pads). One sort of all (group, id) keys; syncs once for U.
+    cand int [M, Kc] (ids < 0 or >= vocab are pads) -> union int64 [ceil(M / group), U] with U = min(group, M) * Kc,
+    the most a group can hold (its sorted distinct ids first, then -1; a group with pads also lists one -1 among
+    them), pos int64 [M, Kc] (index of cand[m, c] in its group's union, -1 at pads) and count int32 [groups]
+    (entries in use per group). One sort of all (group, id) keys; every size is known on the host beforehand, so
+    a training step can run ahead of the GPU (and be captured).
     """
     M, Kc = cand.shape
-    NG = triton.cdiv(M, group)
+    NG, U = triton.cdiv(M, group), min(group, M) * Kc
     valid = (cand >= 0) & (cand < vocab)
     g_of_row = torch.arange(M, device=cand.device) // group
     key = (g_of_row[:, None] * (vocab + 1) + torch.where(valid, cand.long(), vocab)).flatten()
     if NG * (vocab + 1) < 2 ** 31:
         key = key.int()                                        # a radix sort over half the key bits
-    uniq, inv = torch.unique(key, sorted=True, return_inverse=True)
-    uniq = uniq.long()
-    ug, ut = uniq // (vocab + 1), uniq % (vocab + 1)
-    counts = torch.bincount(ug, minlength=NG)
-    starts = torch.cumsum(counts, 0) - counts
-    local = torch.arange(uniq.numel(), device=cand.device) - starts[ug]
-    U = max(1, int(counts.max()))
-    union = torch.full((NG, U), -1, dtype=torch.long, device=cand.device)
-    union[ug, local] = torch.where(ut < vocab, ut, -1)
-    pos = torch.where(valid, local[inv].view(M, Kc), -1)
-    return union, pos
+    sk, perm = torch.sort(key)
+    # group g's keys are exactly sorted positions g * group * Kc .. (its rows all come before the next group's)
+    first = torch.ones_like(sk, dtype=torch.bool)
+    first[1:] = sk[1:] != sk[:-1]
+    uid = torch.cumsum(first, 0) - 1                           # distinct-key index of each sorted key
+    starts = torch.arange(NG, device=cand.device) * (group * Kc)
+    ends = torch.clamp(starts + group * Kc, max=M * Kc) - 1
+    base = uid[starts]                                         # [NG] first distinct index of each group
+    count = (uid[ends] - base + 1).to(torch.int32)
+    sk = sk.long()
+    ug, ut = sk // (vocab + 1), sk % (vocab + 1)
+    local = uid - base[ug]                                     # index in the group's union
+    flat = torch.full((NG * U + 1,), -1, dtype=torch.long, device=cand.device)
+    # one write per distinct key; repeats go to a spare last entry that is cut off
+    flat[torch.where(first, ug * U + local, NG * U)] = torch.where(ut < vocab, ut, -1)
+    pos = torch.empty_like(local)
+    pos[perm] = local
+    pos = torch.where(valid, pos.view(M, Kc), -1)
+    return flat[:NG * U].view(NG, U), pos, count
 
 
 def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
@@ -156,7 +171,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, cand, bias, inv_t, group, precision, chunk_bytes, tuning):
         M, Kc = cand.shape
         Dm, V = weight.shape[1], weight.shape[0]
-        union, pos = group_union(cand, group, V)
+        union, pos, count = group_union(cand, group, V)
         NG, U = union.shape
         cfg = _config(U, Dm, group, tuning)
         GQ = cfg["GQ"]
@@ -167,7 +182,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
             r0, r1 = g0 * group, min(M, g1 * group)
             S = torch.empty(g1 - g0, GQ, U, dtype=torch.float32, device=hidden.device)
             grouped_scores_kernel[(triton.cdiv(U, cfg["fwd_bu"]), g1 - g0)](
-                hidden[r0:r1], weight, union[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0, U, Dm, V,
+                hidden[r0:r1], weight, union[g0:g1], count[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0, U, Dm, V,
                 G=group, GQ=GQ, BU=cfg["fwd_bu"], BD=cfg["fwd_bd"], DOT_PREC=_dot_prec(precision),
                 num_warps=cfg["warps"], num_stages=cfg["stages"])
             srow = _scratch_rows(r1 - r0, group, GQ, hidden.device)
@@ -178,14 +193,14 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
         logits = logits.masked_fill(pos < 0, float("-inf"))
         lse = torch.logsumexp(logits, -1, keepdim=True)
         logprobs = torch.where(pos >= 0, logits - torch.where(torch.isfinite(lse), lse, 0.0), float("-inf"))
-        ctx.save_for_backward(weight, union, pos, logprobs, cand)
+        ctx.save_for_backward(weight, union, count, pos, logprobs, cand)
         ctx.inv_t, ctx.hidden_dtype, ctx.group = inv_t, hidden.dtype, group
         ctx.cfg, ctx.chunk, ctx.precision = cfg, chunk, precision
         return logprobs
 
     @staticmethod
     def backward(ctx, g):
-        weight, union, pos, logprobs, cand = ctx.saved_tensors
+        weight, union, count, pos, logprobs, cand = ctx.saved_tensors
         g = torch.where(pos >= 0, g.float(), 0.0)
         dlogits = g - torch.exp(logprobs) * g.sum(-1, keepdim=True)           # exp(-inf) = 0 at pads
         dhidden = None
@@ -209,14 +224,14 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
                 if ctx.precision == "bf16":
                     dS = dS.to(torch.bfloat16)                  # summed in fp32, then rounded once
                 grouped_hidden_grad_kernel[(triton.cdiv(Dm, cfg["bwd_bd"]), g1 - g0)](
-                    dS, weight, union[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
+                    dS, weight, union[g0:g1], count[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
                     G=group, GQ=GQ, BU=cfg["bwd_bu"], BD=cfg["bwd_bd"], DOT_PREC=_dot_prec(ctx.precision),
                     IDS_AHEAD=cfg["bwd_ids_ahead"], num_warps=cfg["warps"], num_stages=cfg["stages"])
         dbias = dlogits if ctx.needs_input_grad[3] else None
         return dhidden, None, None, dbias, None, None, None, None, None
 
 
-# Not traced by torch.compile (it syncs once for the union size and loops over chunks): a clean graph break.
+# Not traced by torch.compile (Triton launches in a loop over scratch chunks): a clean graph break, no host sync.
 @torch.compiler.disable
 def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor, group: int,
                                 bias: torch.Tensor | None = None, inv_temperature: float | None = None,

@@ -245,7 +245,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             instead of 5 and 9). None (default): read off `parent` where `check` validates it
             on the host anyway, else False. True is validated when `check` is on.
         stages: which launches run (benchmarks time the prep and the solve apart; a subset
-            leaves the outputs undefined).
+            leaves the outputs undefined): "prep" (both prep launches), "solve", and with
+            `prep_split` "diag" or "tiles" for one of the two prep launches.
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
             must not be software-pipelined.
     Returns:
@@ -318,13 +319,13 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     # off-diagonal tiles: block t has cdiv(t BT, BC) of BC columns
     NT = sum(triton.cdiv(t * BT, BC) for t in range(1, NB))
     launch = {"launch_pdl": True} if pdl else {}
-    if "prep" in stages:
+    if {"prep", "diag", "tiles"} & set(stages):
         extra = dict({"maxnreg": prep_maxnreg} if prep_maxnreg else {}, **launch)
         # one launch of NB diagonal + NT tile programs, or (prep_split) the diagonal programs,
         # then the tiles reading the G and norms they stored
         parts = [(1, NB), (2, NT)] if prep_split else [(0, NB + NT)]
         for part, programs in parts:
-            if programs:
+            if programs and ("prep" in stages or {1: "diag", 2: "tiles"}.get(part) in stages):
                 tree_gdn_prep_kernel[(programs, B * HV)](
                     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,

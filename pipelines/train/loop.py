@@ -188,6 +188,7 @@ class Trainer:
             if self.rank == 0:
                 log.info("resumed from %s (step %d of %d)", info["tag"], self.start, cfg.steps)
         self.metrics = MetricsLog(cfg.output_dir, self.start, self.rank == 0)
+        self._pending = None                     # (done, [loss sum, stop requests], grad norm) not yet read back
 
     def barrier(self) -> None:
         if dist.is_initialized():
@@ -200,6 +201,7 @@ class Trainer:
             self.evaluate(0)
         self.engine.module.train()
         t_run, items = time.perf_counter(), 0
+        self._last_finish = t_run
         self.bar = tqdm(total=cfg.steps, initial=self.start, desc=f"train {self.task.name}",
                         disable=not (progress and self.rank == 0))
         stop = StopRequest()
@@ -226,9 +228,8 @@ class Trainer:
 
     def step(self, step: int, stop_requested: bool) -> bool:
         """Optimizer step `step` (grad_accum micro steps), then logging, evaluation and checkpoints as due.
-        Returns whether any rank was asked to stop."""
+        Returns whether any rank was asked to stop (known one step late, see `_finish`)."""
         cfg, engine = self.cfg, self.engine
-        t0 = time.perf_counter()
         total = torch.zeros(2, device=self.device)                         # [loss sum, stop requests]
         for m in range(cfg.grad_accum):
             batch = self.task.batch(self.order.indices(step, m, self.rank), step, m, self.rank)
@@ -240,21 +241,37 @@ class Trainer:
         if dist.is_initialized():
             dist.all_reduce(total)
         done = step + 1
-        loss_mean = float(total[0]) / (cfg.grad_accum * self.world)
-        gn = engine.get_global_grad_norm()                   # before clipping; None without clipping
-        gn = float(gn) if gn is not None else None
-        check_finite(done, loss_mean, gn)
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss_mean:.4f}")
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            self.metrics.write("train", done, {"loss": loss_mean, "lr": self.sched.get_last_lr()[0],
-                                               "grad_norm": gn,
-                                               "step_seconds": time.perf_counter() - t0})
+        # the gradient norm before clipping (None without clipping), a device tensor under bf16 ZeRO
+        this = (done, total, engine.get_global_grad_norm())
+        # the previous step's numbers are read only now, with this step already queued: a read-back here
+        # would leave the GPU idle while the host prepares the next batch
+        requested = self._finish() if self._pending else False
+        self._pending = this
+        if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done % cfg.checkpoint_every == 0 \
+                or done == cfg.steps:
+            requested |= self._finish()
         if done % cfg.eval_every == 0 or done == cfg.steps:
             self.evaluate(done)
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             self.save(done)
-        return bool(total[1] > 0)
+        return requested
+
+    def _finish(self) -> bool:
+        """Read back the pending step's loss, gradient norm and stop flag (the one host sync of a step), stop on
+        non-finite numbers, update the progress bar and log as due. -> whether any rank asked to stop."""
+        (done, total, gn), self._pending = self._pending, None
+        total = total.tolist()
+        loss_mean = total[0] / (self.cfg.grad_accum * self.world)
+        gn = float(gn) if gn is not None else None
+        check_finite(done, loss_mean, gn)
+        now = time.perf_counter()
+        seconds, self._last_finish = now - self._last_finish, now
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss_mean:.4f}")
+        if done % self.cfg.log_every == 0 or done == self.cfg.steps:
+            self.metrics.write("train", done, {"loss": loss_mean, "lr": self.sched.get_last_lr()[0],
+                                               "grad_norm": gn, "step_seconds": seconds})
+        return total[1] > 0
 
     def evaluate(self, step: int) -> None:
         if self.rank == 0:
@@ -270,6 +287,8 @@ class Trainer:
         self.barrier()
 
     def save(self, done: int) -> None:
+        if self._pending:                    # a checkpoint only after its step's loss and gradient norm are checked
+            self._finish()
         keep = {self.best["step"]} if self.best["step"] is not None else set()
         checkpoint.save(self.engine, self.ckpt_dir, done, {"step": done, "best": self.best,
                                                            "run_hash": self.cfg.run_hash()},

@@ -65,18 +65,30 @@ def main():
         for d in sets:
             call(d, ("prep", "solve"))                                 # the stashes every stage reads
         row = dict(hv=hv, programs_solve=8 * hv)
+        want = call(sets[0], ("prep", "solve"))[0].float()
         for name, st in stage_sets.items():
             row[name + "_us"] = graph_time([lambda d=d, st=st: call(d, st) for d in sets])
-        for bv, nw in ((32, 4), (32, 8)):
-            row[f"solve_bv{bv}_w{nw}_us"] = graph_time([lambda d=d: call(d, ("solve",), block_v=bv, num_warps=nw)
-                                                        for d in sets])
+        # other launch parameters, each launch alone
+        for name, st, cfg in (("solve_bv32_w4", "solve", dict(block_v=32)), ("solve_w2", "solve", dict(num_warps=2)),
+                              ("solve_w8", "solve", dict(num_warps=8)),
+                              ("diag_w1", "diag", dict(diag_warps=1)), ("diag_w2", "diag", dict(diag_warps=2)),
+                              ("tiles_w2", "tiles", dict(prep_warps=2)), ("tiles_w1", "tiles", dict(prep_warps=1)),
+                              ("verify_diag_w2_tiles_w2", "verify", dict(diag_warps=2, prep_warps=2)),
+                              ("verify_diag_w1_tiles_w2", "verify", dict(diag_warps=1, prep_warps=2))):
+            try:
+                if st == "verify":                    # same outputs as the default (up to summation order)
+                    got = call(sets[0], ("prep", "solve"), **cfg)[0].float()
+                    row[name + "_max_rel_diff"] = ((got - want).abs().max() / want.abs().max()).item()
+                row[name + "_us"] = graph_time([lambda d=d, st=stage_sets[st], cfg=cfg: call(d, st, **cfg)
+                                                for d in sets])
+            except Exception as e:  # noqa: BLE001 - a configuration the compiler rejects is recorded
+                row[name + "_error"] = repr(e)[:200]
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
     if a.out:
         atomic_write_json(a.out, res)
-    print(f"{'HV':>4} " + " ".join(f"{k[:-3]:>16}" for k in res["rows"][0] if k.endswith("_us")))
     for r in res["rows"]:
-        print(f"{r['hv']:>4} " + " ".join(f"{v:>16.2f}" for k, v in r.items() if k.endswith("_us")))
+        print(f"HV={r['hv']}: " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in r.items() if k.endswith("_us")))
 
 
 if __name__ == "__main__":

@@ -240,15 +240,24 @@ def main(argv=None) -> dict:
             times.append(dt)
     # back to back, as the trainer runs them (it reads a step's loss and gradient norm one step late): no host
     # sync between steps, so the host prepares the next step while the GPU runs this one
+    # host seconds per call (no sync inside: near the step time, the host is what the GPU waits for)
     _sync(device)
+    host = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     t0 = time.perf_counter()
     for step in range(args.steps):
         batch = {n: t[rank * micro:(rank + 1) * micro] for n, t in pool[step % len(pool)].items()}
+        t1 = time.perf_counter()
         loss, _ = engine(batch)
+        t2 = time.perf_counter()
         engine.backward(loss)
+        t3 = time.perf_counter()
         engine.step()
+        host["forward"] += t2 - t1
+        host["backward"] += t3 - t2
+        host["step"] += time.perf_counter() - t3
     _sync(device)
     steady_s = (time.perf_counter() - t0) / args.steps
+    host_ms = {k: v / args.steps * 1e3 for k, v in host.items()}
     profile_summary = None
     if args.profile and cuda and rank == 0:
         from torch.profiler import ProfilerActivity, profile
@@ -282,7 +291,7 @@ def main(argv=None) -> dict:
               "median_step_s": step_s, "samples_per_s": args.global_batch / step_s,
               "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),
               "steady_step_s": steady_s, "steady_samples_per_s": args.global_batch / steady_s,
-              "steady_mfu": flops * step_s / steady_s / (peak * world),
+              "steady_mfu": flops * step_s / steady_s / (peak * world), "steady_host_ms_per_step": host_ms,
               "flops_per_sample": flops_per_row(wcfg), "candidate_scoring_fwd_bwd": score,
               "candidate_scoring_share_of_step": score["ms"] / (step_s * 1e3) if score else None, "loss_trace": losses,
               "peak_memory_gib": peak_mem, "profile": profile_summary, "env": env_info()}
@@ -292,6 +301,7 @@ def main(argv=None) -> dict:
               f"{'scoring':>8}{'steady ms':>10}{'MFU':>7}")
         print(f"{args.preset:<12}{world:>5}{args.global_batch:>7}{step_s * 1e3:>9.2f}{result['samples_per_s']:>11.1f}"
               f"{flops:>9.1f}{result['mfu']:>7.1%}{share:>8}{steady_s * 1e3:>10.2f}{result['steady_mfu']:>7.1%}")
+        print("host ms per back-to-back step: " + ", ".join(f"{k} {v:.2f}" for k, v in host_ms.items()))
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:

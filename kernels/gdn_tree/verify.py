@@ -200,7 +200,7 @@ def root_folded(single_root, N: int, BT: int) -> int:
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
-                    prefetch=None, solve_kc=None, prep_warps=None, prep_maxnreg=None, prep_split=None,
+                    prefetch=None, solve_kc=None, prep_warps=None, diag_warps=None, prep_maxnreg=None, prep_split=None,
                     pdl=None, single_root=None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
@@ -228,7 +228,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             128 (n > 80 with 16-node blocks; 2 per SM).
         prefetch: the solve reads the next block's q/k/v rows while the current block waits on
             its earlier V' (tuning).
-        prep_warps, prep_maxnreg: tuning of the prep launch (warps; register cap, 0 for none,
+        prep_warps, diag_warps, prep_maxnreg: tuning of the prep launch (warps, with `prep_split` the
+            diagonal launch's own; register cap, 0 for none,
             which trades a few spills for more programs per SM).
         prep_split: run the prep as two launches, the diagonal programs (which store G and the
             inverse norms) and then the off-diagonal tiles, which read them back instead of
@@ -329,7 +330,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                 tree_gdn_prep_kernel[(programs, B * HV)](
                     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
-                    DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, num_warps=prep_warps or 4,
+                    DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, num_warps=(diag_warps if part == 1 else None) or prep_warps or 4,
                     **extra)
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](

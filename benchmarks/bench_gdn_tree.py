@@ -39,7 +39,7 @@ GOAL_SPEEDUP = {64: 5.0, 65: 5.0}
 # dependent launch
 KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "prep_split", "pdl", "solve_kc")
 # every keyword a timed configuration may set (the tuples of CONFIGS and the root fold)
-CFG_KEYS = KEYS + ("single_root",)
+CFG_KEYS = KEYS + ("single_root", "prep_warps", "diag_warps")
 CONFIGS = [dict(zip(KEYS, c)) for c in [
     (16, 16, 4, 16, True, 0, False, True, 128), (16, 16, 4, 16, True, 128, False, True, 128),
     (16, 16, 4, 32, True, 0, False, True, 128), (16, 16, 4, 32, True, 0, False, False, 128),
@@ -70,6 +70,11 @@ def configs_for(n, quick=False):
                dict(d, solve_kc=kc, prep_split=not d["prep_split"])]
         if root_folded(True, n, d["block_t"]):
             out.append(dict(d, single_root=False))
+        # warps per launch (session 8: at n=129 a 2-warp solve took 24.6 us alone against 28.6 with 4)
+        w = 2 if d["num_warps"] == 4 else 4
+        out += [dict(d, num_warps=w), dict(d, num_warps=w, prep_warps=2), dict(d, num_warps=w, prep_warps=1)]
+        if d["prep_split"]:
+            out += [dict(d, num_warps=w, diag_warps=2, prep_warps=1), dict(d, num_warps=w, diag_warps=2)]
         return [c for i, c in enumerate(out) if c not in out[:i]]
     return [dict(c, single_root=True) for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 

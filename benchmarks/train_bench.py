@@ -64,18 +64,54 @@ def synthetic_rows(n: int, p: dict, seed: int, device, candidates: str = "unifor
 
 
 def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, iters: int = 20) -> float:
-    """The measured dense matmul rate (the MFU denominator)."""
+    """The measured dense matmul rate (the MFU denominator): the best of 5 timings of `iters` products (one
+    timing moved by up to 10% between runs of session 8, with the GPU's clocks)."""
     if device.type != "cuda":
         n, iters = 512, 3
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    _sync(device)
-    return 2 * n ** 3 * iters / (time.perf_counter() - t) / 1e12
+    best = 0.0
+    for _ in range(5):
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(iters):
+            a @ b
+        _sync(device)
+        best = max(best, 2 * n ** 3 * iters / (time.perf_counter() - t) / 1e12)
+    return best
+
+
+def step_once(engine, batch: dict, rank: int, micro: int) -> None:
+    loss, _ = engine({n: t[rank * micro:(rank + 1) * micro] for n, t in batch.items()})
+    engine.backward(loss)
+    engine.step()
+
+
+def sync_sites(fn, frames: int = 6) -> list[str]:
+    """Where `fn` makes the host wait on the GPU: the innermost frames of each distinct call site that CUDA's
+    sync debug mode warns about."""
+    import traceback
+    import warnings
+    torch.cuda.synchronize()
+    sites = []
+
+    def record(*_args, **_kw):
+        site = "".join(traceback.format_stack()[-frames - 2:-2])
+        if site not in sites:
+            sites.append(site)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for s in sites:
+        print("host sync at:\n" + s, flush=True)
+    return sites
 
 
 def union_stats(cand: torch.Tensor, group: int, lm_head: torch.Tensor) -> dict:
@@ -169,6 +205,8 @@ def main(argv=None) -> dict:
                                             "compiled parts of the step)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of 3 profiled steps (rank 0)")
     ap.add_argument("--trace", help="with --profile: also write the chrome trace of the profiled steps here")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="run one step under CUDA's sync debug mode and print where the host waits on the GPU")
     ap.add_argument("--out", help="write the JSON result here (rank 0)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -240,6 +278,7 @@ def main(argv=None) -> dict:
             times.append(dt)
     # back to back, as the trainer runs them (it reads a step's loss and gradient norm one step late): no host
     # sync between steps, so the host prepares the next step while the GPU runs this one
+    syncs = sync_sites(lambda: step_once(engine, pool[0], rank, micro)) if args.sync_debug and cuda else None
     # host seconds per call (no sync inside: near the step time, the host is what the GPU waits for)
     _sync(device)
     host = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -292,6 +331,7 @@ def main(argv=None) -> dict:
               "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),
               "steady_step_s": steady_s, "steady_samples_per_s": args.global_batch / steady_s,
               "steady_mfu": flops * step_s / steady_s / (peak * world), "steady_host_ms_per_step": host_ms,
+              "host_sync_sites": syncs,
               "flops_per_sample": flops_per_row(wcfg), "candidate_scoring_fwd_bwd": score,
               "candidate_scoring_share_of_step": score["ms"] / (step_s * 1e3) if score else None, "loss_trace": losses,
               "peak_memory_gib": peak_mem, "profile": profile_summary, "env": env_info()}

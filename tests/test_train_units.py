@@ -193,3 +193,5 @@ def test_non_finite_loss_or_gradient_norm_stops_the_run():
             check_finite(3, loss, gn)
     ds = TrainConfig.from_dict({"data": ["x"], "output_dir": "y"}).deepspeed_config(world_size=1, bf16=True)
     assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    from deepspeed.utils.config import get_timers_config        # the throughput timer syncs the device twice a step
+    assert not get_timers_config(ds).enabled

@@ -188,7 +188,7 @@ def _config(N):
     58.9, with 64-column dots), where the one-launch prep's 165-register programs take 3.5 waves.
     """
     return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True, prep_maxnreg=0,
-                prep_split=N > 96, solve_kc=64)
+                prep_split=N > 96, solve_kc=64, prep_warps=4, diag_warps=4)
 
 
 def root_folded(single_root, N: int, BT: int) -> int:
@@ -330,7 +330,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                 tree_gdn_prep_kernel[(programs, B * HV)](
                     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
-                    DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, num_warps=(diag_warps if part == 1 else None) or prep_warps or 4,
+                    DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT,
+                    num_warps=(diag_warps or dflt["diag_warps"]) if part == 1 else (prep_warps or dflt["prep_warps"]),
                     **extra)
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](

@@ -119,4 +119,7 @@ class TrainConfig:
                 # bf16 cannot overflow where fp32 does not; DeepSpeed's per-parameter inf/nan scan (~400 small
                 # launches and a host sync per step) is replaced by the loop's check of the loss and grad norm
                 "bf16": {"enabled": bf16, "check_grad_overflow": False},
+                # DeepSpeed's throughput timer synchronizes the device at every forward and step (two host
+                # syncs per step: the GPU idles while the host issues the next kernels); the loop times itself
+                "timers": {"throughput": {"enabled": False}},
                 "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}

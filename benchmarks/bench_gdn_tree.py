@@ -72,9 +72,10 @@ def configs_for(n, quick=False):
             out.append(dict(d, single_root=False))
         # warps per launch (session 8: at n=129 a 2-warp solve took 24.6 us alone against 28.6 with 4)
         w = 2 if d["num_warps"] == 4 else 4
-        out += [dict(d, num_warps=w), dict(d, num_warps=w, prep_warps=2), dict(d, num_warps=w, prep_warps=1)]
+        out += [dict(d, num_warps=w), dict(d, prep_warps=2 if d["prep_warps"] == 4 else 4)]
         if d["prep_split"]:
-            out += [dict(d, num_warps=w, diag_warps=2, prep_warps=1), dict(d, num_warps=w, diag_warps=2)]
+            out += [dict(d, num_warps=1), dict(d, block_v=32), dict(d, block_v=32, num_warps=4),
+                    dict(d, solve_kc=32), dict(d, block_c=64), dict(d, diag_warps=2), dict(d, prep_warps=1)]
         return [c for i, c in enumerate(out) if c not in out[:i]]
     return [dict(c, single_root=True) for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 

@@ -97,8 +97,8 @@ def sync_sites(fn, frames: int = 6) -> list[str]:
     sites = []
 
     def record(*_args, **_kw):
-        site = "".join(traceback.format_stack()[-frames - 2:-2])
-        if site not in sites:
+        site = "".join(traceback.format_stack()[-frames - 1:-1])
+        if site not in sites and "set_sync_debug_mode" not in site:
             sites.append(site)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -217,6 +217,7 @@ def main(argv=None) -> dict:
     from benchmarks._timing import env_info
     from pipelines.train.config import TrainConfig
     from pipelines.train.loop import init_distributed
+    from pipelines.train.optim import make_optimizer
     from pipelines.train.weaver_task import WeaverObjective, depth_weights, flops_per_row, initial_weaver
     from tfm_runtime.models.weaver import Weaver, WeaverConfig
 
@@ -248,9 +249,10 @@ def main(argv=None) -> dict:
         obj.weaver.candidate_group_rows = args.score_group
     if args.compile:
         obj.forward = torch.compile(obj.forward, mode=args.compile_mode)
-    opt = torch.optim.AdamW(obj.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=cuda)  # as the trainer
+    opt = make_optimizer(list(obj.parameters()), lr=3e-4, weight_decay=0.01, grad_clip=1.0,      # as the trainer
+                         zero_stage=args.zero_stage, device=device)
     # the trainer's DeepSpeed config (one micro batch per step, gradient clipping 1.0)
-    ds_cfg = TrainConfig(data=["synthetic rows"], output_dir="-", micro_batch=micro,
+    ds_cfg = TrainConfig(data=["synthetic rows"], output_dir="-", micro_batch=micro, grad_clip=1.0,
                          zero_stage=args.zero_stage).deepspeed_config(world, bf16=cuda)
     engine, _, _, _ = deepspeed.initialize(model=obj, optimizer=opt, config=ds_cfg, dist_init_required=False)
     pool = [synthetic_rows(args.global_batch, p, seed=s, device=device, candidates=args.candidates)

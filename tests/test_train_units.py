@@ -158,7 +158,7 @@ def test_train_config_validation_and_deepspeed_config(tmp_path):
     c = TrainConfig.load(str(p))
     assert c.data == ["/shards"]
     ds = c.deepspeed_config(world_size=2, bf16=True)
-    assert ds["train_batch_size"] == 48 and ds["zero_optimization"] == {"stage": 2} and ds["bf16"]["enabled"]
+    assert ds["train_batch_size"] == 48 and ds["zero_optimization"] == {"stage": 2, "compute_grad_norm": False} and ds["bf16"]["enabled"]
     with pytest.raises(ValueError, match="compile must be 'auto', 'on' or 'off'"):
         TrainConfig.from_dict({"data": ["x"], "output_dir": "y", "compile": True})
     with pytest.raises(ValueError, match="score_group_rows must be >= 0"):
@@ -195,3 +195,33 @@ def test_non_finite_loss_or_gradient_norm_stops_the_run():
     assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
     from deepspeed.utils.config import get_timers_config        # the throughput timer syncs the device twice a step
     assert not get_timers_config(ds).enabled
+
+
+def test_clipped_adamw_matches_clip_grad_norm_then_adamw():
+    """The trainer's on-device clipping (ZeRO 2) is torch's clip_grad_norm_ followed by AdamW, and its norm is the
+    norm before clipping; max_norm 0 does not clip."""
+    from pipelines.train.optim import ClippedAdamW, make_optimizer, owns_clipping
+    gen = torch.Generator().manual_seed(0)
+    for max_norm in (0.5, 1e6, 0.0):
+        a = [torch.randn(5, 3, generator=gen).requires_grad_(), torch.randn(7, generator=gen).requires_grad_()]
+        b = [p.detach().clone().requires_grad_() for p in a]
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=gen) * 3
+            y.grad = x.grad.clone()
+        ours = ClippedAdamW(a, max_norm=max_norm, partitioned=True, lr=0.1, betas=(0.9, 0.95), weight_decay=0.01)
+        ref = torch.optim.AdamW(b, lr=0.1, betas=(0.9, 0.95), weight_decay=0.01)
+        ours.step()
+        norm = torch.nn.utils.clip_grad_norm_(b, max_norm if max_norm > 0 else float("inf"))
+        ref.step()
+        assert torch.allclose(ours.grad_norm, norm, rtol=1e-6)
+        for x, y in zip(a, b):
+            assert torch.allclose(x, y, rtol=1e-6, atol=1e-7), max_norm
+    with pytest.raises(ValueError, match="one parameter group"):
+        ClippedAdamW([{"params": a[:1]}, {"params": a[1:]}], max_norm=1.0, partitioned=True)
+    assert owns_clipping(2) and not any(owns_clipping(s) for s in (0, 1, 3))
+    assert isinstance(make_optimizer(a, lr=1e-3, weight_decay=0.0, grad_clip=1.0, zero_stage=2,
+                                     device=torch.device("cpu")), ClippedAdamW)
+    for stage in (2, 3):       # DeepSpeed clips (and computes the norm) only where the optimizer does not
+        ds = TrainConfig.from_dict({"data": ["x"], "output_dir": "y", "zero_stage": stage}).deepspeed_config(1, True)
+        assert (ds["gradient_clipping"] == 0.0) == (stage == 2)
+        assert ds["zero_optimization"].get("compute_grad_norm", True) == (stage != 2)

@@ -186,9 +186,12 @@ def _config(N):
     the padded columns are at most 64 anyway), 9% faster at 96 (34.4 vs 38.0 us), 8% at 112 and 129.
     The split prep: 15% slower at 65, 3% at 96, faster from 112 (40.3 vs 42.2 us) to 129 (49.3 vs
     58.9, with 64-column dots), where the one-launch prep's 165-register programs take 3.5 waves.
+    Warps (session 8): a 2-warp solve is faster from 64 nodes (n=64 20.9 vs 22.3 us, 65 22.6 vs 23.5,
+    129 44.1 vs 46.0; at HV=48 the 4-warp programs stall on each other: alone, 24.6 vs 28.6 us at 129),
+    slower at 16 and 32 (11.4 vs 10.7, 15.1 vs 14.4); 2-warp tiles of the split prep: 129 42.0 vs 44.1.
     """
-    return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True, prep_maxnreg=0,
-                prep_split=N > 96, solve_kc=64, prep_warps=4, diag_warps=4)
+    return dict(block_t=16, block_v=16, num_warps=2 if N > 48 else 4, block_c=32, prefetch=True,
+                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2 if N > 96 else 4, diag_warps=4)
 
 
 def root_folded(single_root, N: int, BT: int) -> int:

@@ -111,11 +111,17 @@ class TrainConfig:
 
     def deepspeed_config(self, world_size: int, bf16: bool) -> dict:
         """The DeepSpeed config built from the few settings that matter here (optimizer and schedule are ours)."""
+        from pipelines.train.optim import owns_clipping
+        own = owns_clipping(self.zero_stage)
         return {"train_micro_batch_size_per_gpu": self.micro_batch,
                 "gradient_accumulation_steps": self.grad_accum,
                 "train_batch_size": self.micro_batch * self.grad_accum * world_size,
-                "gradient_clipping": self.grad_clip,
-                "zero_optimization": {"stage": self.zero_stage},
+                # ZeRO 2: the optimizer clips on the device (pipelines/train/optim.py; DeepSpeed's clipping reads
+                # the norm back twice a step), so DeepSpeed neither clips nor computes the norm, and accepts the
+                # AdamW subclass
+                "gradient_clipping": 0.0 if own else self.grad_clip,
+                "zero_optimization": {"stage": self.zero_stage, **({"compute_grad_norm": False} if own else {})},
+                **({"zero_allow_untested_optimizer": True} if own else {}),
                 # bf16 cannot overflow where fp32 does not; DeepSpeed's per-parameter inf/nan scan (~400 small
                 # launches and a host sync per step) is replaced by the loop's check of the loss and grad norm
                 "bf16": {"enabled": bf16, "check_grad_overflow": False},

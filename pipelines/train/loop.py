@@ -21,6 +21,7 @@ from pipelines.provenance import provenance
 from pipelines.train import checkpoint
 from pipelines.train.config import TrainConfig
 from pipelines.train.data import BatchOrder
+from pipelines.train.optim import ClippedAdamW, make_optimizer
 from tfm_runtime.io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger("tfm.train")
@@ -172,9 +173,9 @@ class Trainer:
             if self.rank == 0:
                 log.info("torch.compile: the objective's forward is compiled (compile: %s)", cfg.compile)
         params = [p for p in self.task.objective.parameters() if p.requires_grad]
-        # fused on GPU: one kernel over DeepSpeed's flat fp32 partition instead of a dozen foreach passes
-        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                fused=self.device.type == "cuda")
+        opt = make_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                             zero_stage=cfg.zero_stage, device=self.device)
+        self.opt = opt
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
         self.engine, _, _, _ = deepspeed.initialize(model=self.task.objective, optimizer=opt, lr_scheduler=self.sched,
                                                     config=cfg.deepspeed_config(self.world, bf16),
@@ -241,8 +242,9 @@ class Trainer:
         if dist.is_initialized():
             dist.all_reduce(total)
         done = step + 1
-        # the gradient norm before clipping (None without clipping), a device tensor under bf16 ZeRO
-        this = (done, total, engine.get_global_grad_norm())
+        # the gradient norm before clipping, a device tensor (None where DeepSpeed clips and clipping is off)
+        gn = self.opt.grad_norm if isinstance(self.opt, ClippedAdamW) else engine.get_global_grad_norm()
+        this = (done, total, gn)
         # the previous step's numbers are read only now, with this step already queued: a read-back here
         # would leave the GPU idle while the host prepares the next batch
         requested = self._finish() if self._pending else False

@@ -104,7 +104,8 @@ class WeaverObjective(nn.Module):
                  weights: torch.Tensor):
         super().__init__()
         self.weaver, self.kind = weaver, kind
-        object.__setattr__(self, "frozen", (embed, lm_head, weights))
+        # the depth weights live with the LM head: a host tensor would be copied (and waited for) every step
+        object.__setattr__(self, "frozen", (embed, lm_head, weights.to(lm_head.device)))
 
     def logq(self, b: dict) -> torch.Tensor:
         embed, lm_head, _ = self.frozen
@@ -127,7 +128,8 @@ def to_batch(rows: dict[str, np.ndarray], device: torch.device, dtype: torch.dty
             t = t.float()
         elif t.dtype != torch.bool:
             t = t.long()
-        out[name] = t.to(device)
+        # pinned and asynchronous: a pageable copy waits for the GPU to finish the steps already queued
+        out[name] = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
     return out
 
 

@@ -39,7 +39,7 @@ GOAL_SPEEDUP = {64: 5.0, 65: 5.0}
 # dependent launch
 KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "prep_split", "pdl", "solve_kc")
 # every keyword a timed configuration may set (the tuples of CONFIGS and the root fold)
-CFG_KEYS = KEYS + ("single_root", "prep_warps", "diag_warps")
+CFG_KEYS = KEYS + ("single_root", "prep_warps", "diag_warps", "inv_base")
 CONFIGS = [dict(zip(KEYS, c)) for c in [
     (16, 16, 4, 16, True, 0, False, True, 128), (16, 16, 4, 16, True, 128, False, True, 128),
     (16, 16, 4, 32, True, 0, False, True, 128), (16, 16, 4, 32, True, 0, False, False, 128),
@@ -73,6 +73,8 @@ def configs_for(n, quick=False):
         # warps per launch (session 8: at n=129 a 2-warp solve took 24.6 us alone against 28.6 with 4)
         w = 2 if d["num_warps"] == 4 else 4
         out += [dict(d, num_warps=w), dict(d, prep_warps=2 if d["prep_warps"] == 4 else 4)]
+        # the diagonal inverses from 4- or 8-node substitutions merged by dots (session 8)
+        out += [dict(d, inv_base=b) for b in (4, 8) if b != d["inv_base"]]
         if d["prep_split"]:
             out += [dict(d, num_warps=1), dict(d, block_v=32), dict(d, block_v=32, num_warps=4),
                     dict(d, solve_kc=32), dict(d, block_c=64), dict(d, diag_warps=2), dict(d, prep_warps=1)]

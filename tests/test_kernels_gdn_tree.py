@@ -122,6 +122,12 @@ VERIFY_CASES = [
     (1, 17, [17], 2, 4, 16, 16, "chain", torch.float32, {"single_root": True, "g_const": -30.0}),
     (2, 81, [81, 70], 1, 2, 16, 16, "spine", torch.float32, {"single_root": True, "solve_kc": 16,
                                                             "prefetch": False}),
+    # diagonal inverses from 4- or 8-node blocks merged by doublings (one, two, three factors)
+    (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"inv_base": 4}),
+    (1, 40, [40], 2, 4, 16, 16, "eagle", torch.float16, {"block_t": 32, "inv_base": 8}),
+    (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 64, "inv_base": 4}),
+    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": True,
+                                                            "inv_base": 4}),
 ]
 
 
@@ -145,7 +151,8 @@ def run_verify(case, seed=0):
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], use_qk_l2norm=l2, state_v_first=vf,
                                precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
                                prefetch=extra.get("prefetch", True), prep_split=extra.get("prep_split"),
-                               solve_kc=extra.get("solve_kc"), single_root=extra.get("single_root"))
+                               solve_kc=extra.get("solve_kc"), single_root=extra.get("single_root"),
+                               inv_base=extra.get("inv_base"))
     assert torch.equal(dpool, before), "verify wrote the committed state"
     if extra.get("nan_padding"):
         for b, n in enumerate(ns):  # the float64 reference reads nothing past n either
@@ -284,7 +291,7 @@ def test_rejects_non_topological_parents():
     ok = torch.tensor([[-1, 0, 1, 2]], dtype=torch.int32)
     bad_pdl = [] if torch.cuda.is_available() and not INTERPRET else [({"pdl": True}, "compute capability")]
     for bad, match in [({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t"),
-                       ({"solve_kc": 24}, "solve_kc")] + bad_pdl:
+                       ({"solve_kc": 24}, "solve_kc"), ({"inv_base": 2}, "inv_base")] + bad_pdl:
         with pytest.raises(ValueError, match=match):
             tree_gdn_verify(q, q, v, g, g, ok, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
                             torch.tensor([0], dtype=torch.int32), **bad)
@@ -328,7 +335,8 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
                                         (129, "spine", None), (129, "spine", (16, 16, 4)),
                                         (129, "spine", (32, 64, 8)), (129, "spine", (64, 64, 8)),
                                         (65, "eagle", "split"), (129, "spine", "split"),
-                                        (65, "eagle", "root"), (129, "spine", "root")])
+                                        (65, "eagle", "root"), (129, "spine", "root"),
+                                        (65, "eagle", "inv4"), (129, "spine", "inv4")])
 def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     """Qwen3.6-27B GDN shape, bf16 inputs, tf32 dots: o within bf16 rounding, commit < 2e-3."""
     gen = torch.Generator().manual_seed(n)
@@ -336,10 +344,10 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num, sidx)]
     dpool = pool.cuda()
-    split, root = cfg == "split", cfg == "root"
-    bt, bv, nw = (None, None, None) if split or root or cfg is None else cfg
+    split, root, inv4 = cfg == "split", cfg == "root", cfg == "inv4"
+    bt, bv, nw = (None, None, None) if split or root or inv4 or cfg is None else cfg
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split,
-                               single_root=root)
+                               single_root=root, inv_base=4 if inv4 else None)
     ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)

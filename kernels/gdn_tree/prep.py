@@ -99,40 +99,46 @@ def anc_tile(anc, rows, cols, m_r, i_b, N, NW):
 
 
 @triton.jit
-def diag_block_inverse(b_a, BT: tl.constexpr):
-    """(I + A_D)^{-1} for the 16x16 diagonal blocks A_D of a strictly lower [BT, BT] fp32 tile.
+def diag_block_inverse(b_a, BT: tl.constexpr, BASE: tl.constexpr):
+    """(I + A_D)^{-1} for the BASE x BASE diagonal blocks A_D of a strictly lower [BT, BT] fp32 tile.
 
-    Forward substitution on the transpose Y = X^T, all 16-blocks at once: column i of each block is
-    Y[:, i] = e_i - Y a_i with a_i[j] = A[i, j], so both reductions run along rows.
+    Forward substitution on the transpose Y = X^T, all BASE-blocks at once: column i of each block is
+    Y[:, i] = e_i - Y a_i with a_i[j] = A[i, j]. a_i is reduced out of A along its rows, so it comes
+    out indexed by column, as the product with Y needs it (no layout conversion per step).
     """
     o_i = tl.arange(0, BT)
-    m_same = (o_i[:, None] // 16) == (o_i[None, :] // 16)
+    m_same = (o_i[:, None] // BASE) == (o_i[None, :] // BASE)
     m_eye = o_i[:, None] == o_i[None, :]
-    b_at = tl.trans(tl.where(m_same, b_a, 0.))
+    b_ad = tl.where(m_same, b_a, 0.)
     b_y = tl.where(m_eye, 1., 0.)
-    for i in tl.static_range(1, 16):
-        m_col = m_same & ((o_i % 16) == i)[None, :]
-        b_ai = tl.sum(tl.where(m_col, b_at, 0.), 1)
+    for i in tl.static_range(1, BASE):
+        b_ai = tl.sum(tl.where(((o_i % BASE) == i)[:, None], b_ad, 0.), 0)
         b_s = tl.sum(b_y * b_ai[None, :], 1)
-        b_y = tl.where(m_col, tl.where(m_eye, 1., 0.) - b_s[:, None], b_y)
+        b_y = tl.where(m_same & ((o_i % BASE) == i)[None, :], tl.where(m_eye, 1., 0.) - b_s[:, None], b_y)
     return tl.trans(b_y)
 
 
 @triton.jit
-def merge_diag_inverses(b_xd, b_a, BT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """(I + A)^{-1} from the inverses X_D of its 16x16 diagonal blocks (BT in 16, 32, 64).
+def merge_diag_inverses(b_xd, b_a, BT: tl.constexpr, BASE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(I + A)^{-1} from the inverses X_D of its BASE x BASE diagonal blocks.
 
-    I + A = (I + A_D)(I + N) with N = X_D L (L: A off the diagonal blocks), N^(BT/16) = 0, so
-    (I + A)^{-1} = (I - N)(I + N^2) X_D.
+    I + A = (I + A_D)(I + N) with N = X_D L (L: A off the diagonal blocks), N^(BT/BASE) = 0, so
+    (I + A)^{-1} = (I - N)(I + N^2)(I + N^4)... X_D, one factor per doubling of BASE up to BT.
     """
-    if BT > 16:
+    if BT > BASE:
         o_i = tl.arange(0, BT)
-        m_same = (o_i[:, None] // 16) == (o_i[None, :] // 16)
+        m_same = (o_i[:, None] // BASE) == (o_i[None, :] // BASE)
         b_n = tl.dot(b_xd, tl.where(m_same, 0., b_a), input_precision=DOT_PREC)
         b_xd = b_xd - tl.dot(b_n, b_xd, input_precision=DOT_PREC)
-        if BT > 32:
-            b_n2 = tl.dot(b_n, b_n, input_precision=DOT_PREC)
-            b_xd = b_xd + tl.dot(b_n2, b_xd, input_precision=DOT_PREC)
+        if BT // BASE > 2:                                               # (I + N^2)
+            b_n = tl.dot(b_n, b_n, input_precision=DOT_PREC)
+            b_xd = b_xd + tl.dot(b_n, b_xd, input_precision=DOT_PREC)
+        if BT // BASE > 4:                                               # (I + N^4)
+            b_n = tl.dot(b_n, b_n, input_precision=DOT_PREC)
+            b_xd = b_xd + tl.dot(b_n, b_xd, input_precision=DOT_PREC)
+        if BT // BASE > 8:                                               # (I + N^8)
+            b_n = tl.dot(b_n, b_n, input_precision=DOT_PREC)
+            b_xd = b_xd + tl.dot(b_n, b_xd, input_precision=DOT_PREC)
     return b_xd
 
 
@@ -216,8 +222,10 @@ def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_
 @triton.jit
 def diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h, i_hv,
                    i_bh, rows, m_N, p_blk, N, H, HV, K, NW: tl.constexpr, BT: tl.constexpr,
-                   BK: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr):
-    """G, the inverse norms and W = [[T, 0], [P_tt T, I]] of block t."""
+                   BK: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
+                   INV_BASE: tl.constexpr, INV_PREC: tl.constexpr):
+    """G, the inverse norms and W = [[T, 0], [P_tt T, I]] of block t (T: INV_BASE-node blocks by forward
+    substitution, merged with dots of precision INV_PREC)."""
     o_i = tl.arange(0, BT)
     b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
         q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
@@ -233,7 +241,7 @@ def diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h, i_hv,
     b_a = tl.where(b_on & (o_i[:, None] > o_i[None, :]),
                    (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_k, DOT_PREC) * b_rk[None, :], 0.)
     b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_k, DOT_PREC) * b_rk[None, :], 0.)
-    b_x = merge_diag_inverses(diag_block_inverse(b_a, BT), b_a, BT, DOT_PREC)
+    b_x = merge_diag_inverses(diag_block_inverse(b_a, BT, INV_BASE), b_a, BT, INV_BASE, INV_PREC)
     b_m = tl.dot(b_p, b_x, input_precision=DOT_PREC)
     p_w = W + (p_blk + o_i[:, None]) * 2 * BT + o_i[None, :]
     tl.store(p_w, b_x)
@@ -248,7 +256,7 @@ def tree_gdn_prep_kernel(
     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
     NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
     USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr, PART: tl.constexpr,
-    ROOT: tl.constexpr,
+    ROOT: tl.constexpr, INV_BASE: tl.constexpr, INV_PREC: tl.constexpr,
 ):
     """ROOT = 1 (`tree_gdn_verify(single_root=True)`): node 0 is every node's ancestor and the solve
     folds it into the state, so the blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..) and the
@@ -288,7 +296,8 @@ def tree_gdn_prep_kernel(
                           DOT_PREC, PART == 2, ROOT)
     else:
         diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h,
-                       i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC)
+                       i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC,
+                       INV_BASE, INV_PREC)
         if ROOT:
             b_g0 = tl.load(g + i_b * N * HV + i_hv).to(tl.float32)
             tl.store(G + i_b * N * HV + i_hv, tl.where(n > 0, b_g0, 0.), mask=i_t == 0)

@@ -191,7 +191,8 @@ def _config(N):
     slower at 16 and 32 (11.4 vs 10.7, 15.1 vs 14.4); 2-warp tiles of the split prep: 129 42.0 vs 44.1.
     """
     return dict(block_t=16, block_v=16, num_warps=2 if N > 48 else 4, block_c=32, prefetch=True,
-                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2 if N > 96 else 4, diag_warps=4)
+                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2 if N > 96 else 4, diag_warps=4,
+                inv_base=16)
 
 
 def root_folded(single_root, N: int, BT: int) -> int:
@@ -203,7 +204,8 @@ def root_folded(single_root, N: int, BT: int) -> int:
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
-                    prefetch=None, solve_kc=None, prep_warps=None, diag_warps=None, prep_maxnreg=None, prep_split=None,
+                    prefetch=None, solve_kc=None, prep_warps=None, diag_warps=None, inv_base=None, prep_maxnreg=None,
+                    prep_split=None,
                     pdl=None, single_root=None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
@@ -234,6 +236,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         prep_warps, diag_warps, prep_maxnreg: tuning of the prep launch (warps, with `prep_split` the
             diagonal launch's own; register cap, 0 for none,
             which trades a few spills for more programs per SM).
+        inv_base: the diagonal blocks' inverses (I + A_tt)^{-1} by forward substitution over
+            blocks of this many nodes (16: the whole 16-node block, 15 serial steps; 4: 3 steps,
+            then merged by two doublings of dots, in tf32x3 where `precision` is tf32).
         prep_split: run the prep as two launches, the diagonal programs (which store G and the
             inverse norms) and then the off-diagonal tiles, which read them back instead of
             re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,
@@ -300,6 +305,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                          f"gdc_wait/launch_pdl (not under TRITON_INTERPRET), got {v.device} and Triton "
                          f"{triton.__version__}")
     prep_maxnreg = dflt["prep_maxnreg"] if prep_maxnreg is None else prep_maxnreg
+    inv_base = inv_base or dflt["inv_base"]
+    if inv_base not in (4, 8, 16):
+        raise ValueError(f"inv_base must be 4, 8 or 16, got {inv_base}")
     if BT not in (16, 32, 64):
         raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")
     for name, x in (("block_c", BC), ("solve_kc", solve_kc)):
@@ -333,7 +341,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                 tree_gdn_prep_kernel[(programs, B * HV)](
                     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
-                    DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT,
+                    DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, INV_BASE=inv_base,
+                    INV_PREC="tf32x3" if precision == "tf32" and inv_base < BT else precision,
                     num_warps=(diag_warps or dflt["diag_warps"]) if part == 1 else (prep_warps or dflt["prep_warps"]),
                     **extra)
     if "solve" in stages:

@@ -62,22 +62,20 @@ def default_config(n):
 
 def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
-    prep, the solve's dot width (64 or 128 columns) or the root fold (single_root) toggled."""
+    prep, the root fold (single_root), the warps of the solve or of the prep, or the inverse's
+    substitution blocks toggled (and, with the split prep, 2-warp diagonal programs or 32-column solve
+    dots). Session 8 also timed 128-column solve dots (slower from 64 nodes, equal below), a 1- or
+    8-warp solve, 32-wide V tiles and 64-column prep tiles at 129 nodes (all slower)."""
     if quick:
         d = default_config(n)
-        kc = 64 if d["solve_kc"] == 128 else 128
-        out = [d, dict(d, pdl=not d["pdl"]), dict(d, prep_split=not d["prep_split"]), dict(d, solve_kc=kc),
-               dict(d, solve_kc=kc, prep_split=not d["prep_split"])]
+        out = [d, dict(d, pdl=not d["pdl"]), dict(d, prep_split=not d["prep_split"])]
         if root_folded(True, n, d["block_t"]):
             out.append(dict(d, single_root=False))
-        # warps per launch (session 8: at n=129 a 2-warp solve took 24.6 us alone against 28.6 with 4)
-        w = 2 if d["num_warps"] == 4 else 4
-        out += [dict(d, num_warps=w), dict(d, prep_warps=2 if d["prep_warps"] == 4 else 4)]
-        # the diagonal inverses from 4- or 8-node substitutions merged by dots (session 8)
-        out += [dict(d, inv_base=b) for b in (4, 8) if b != d["inv_base"]]
+        # warps per launch and the diagonal inverse's substitution blocks (session 8)
+        out += [dict(d, num_warps=2 if d["num_warps"] == 4 else 4), dict(d, prep_warps=2 if d["prep_warps"] == 4 else 4),
+                dict(d, inv_base=16 if d["inv_base"] != 16 else 8)]
         if d["prep_split"]:
-            out += [dict(d, num_warps=1), dict(d, block_v=32), dict(d, block_v=32, num_warps=4),
-                    dict(d, solve_kc=32), dict(d, block_c=64), dict(d, diag_warps=2), dict(d, prep_warps=1)]
+            out += [dict(d, diag_warps=2), dict(d, solve_kc=32)]
         return [c for i, c in enumerate(out) if c not in out[:i]]
     return [dict(c, single_root=True) for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
 

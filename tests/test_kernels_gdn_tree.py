@@ -124,6 +124,7 @@ VERIFY_CASES = [
                                                             "prefetch": False}),
     # diagonal inverses from 4- or 8-node blocks merged by doublings (one, two, three factors)
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"inv_base": 4}),
+    (1, 16, [16], 2, 4, 16, 16, "chain", torch.float32, {"inv_base": 16}),
     (1, 40, [40], 2, 4, 16, 16, "eagle", torch.float16, {"block_t": 32, "inv_base": 8}),
     (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 64, "inv_base": 4}),
     (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": True,

@@ -188,11 +188,13 @@ def _config(N):
     58.9, with 64-column dots), where the one-launch prep's 165-register programs take 3.5 waves.
     Warps (session 8): a 2-warp solve is faster from 64 nodes (n=64 20.9 vs 22.3 us, 65 22.6 vs 23.5,
     129 44.1 vs 46.0; at HV=48 the 4-warp programs stall on each other: alone, 24.6 vs 28.6 us at 129),
-    slower at 16 and 32 (11.4 vs 10.7, 15.1 vs 14.4); 2-warp tiles of the split prep: 129 42.0 vs 44.1.
+    slower at 16 and 32 (11.4 vs 10.7, 15.1 vs 14.4); 2-warp tiles of the split prep: 129 42.0 vs 44.1,
+    2-warp prep programs in one launch: 16 9.95 vs 10.1, 32 12.8 vs 13.5, 64 20.0 vs 20.6, 65 equal.
+    Diagonal inverses substituted over 8-node blocks and merged by dots (inv_base=8): 129 40.6 vs 41.1,
+    65 21.4 vs 22.1, 64 19.6 vs 20.6, 32 13.0 vs 13.5, 16 equal; over 4-node blocks in between.
     """
     return dict(block_t=16, block_v=16, num_warps=2 if N > 48 else 4, block_c=32, prefetch=True,
-                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2 if N > 96 else 4, diag_warps=4,
-                inv_base=16)
+                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2, diag_warps=4, inv_base=8)
 
 
 def root_folded(single_root, N: int, BT: int) -> int:
@@ -237,8 +239,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             diagonal launch's own; register cap, 0 for none,
             which trades a few spills for more programs per SM).
         inv_base: the diagonal blocks' inverses (I + A_tt)^{-1} by forward substitution over
-            blocks of this many nodes (16: the whole 16-node block, 15 serial steps; 4: 3 steps,
-            then merged by two doublings of dots, in tf32x3 where `precision` is tf32).
+            blocks of this many nodes, merged up to block_t by doublings of dots (in tf32x3 where
+            `precision` is tf32): 16 (15 serial steps for 16-node blocks), 8 (default: 7 steps and
+            two dots), 4 (3 steps and four dots).
         prep_split: run the prep as two launches, the diagonal programs (which store G and the
             inverse norms) and then the off-diagonal tiles, which read them back instead of
             re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,

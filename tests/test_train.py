@@ -168,9 +168,10 @@ def test_resume_after_sigkill_or_sigterm_gives_the_uninterrupted_loss_trace(data
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-5)
 
-    # SIGTERM (a preempting scheduler): a checkpoint at the next step boundary, exit code 143, then resume.
+    # SIGTERM (a preempting scheduler): a checkpoint at the next step boundary, exit code 143, then resume. Logged
+    # every 3 steps, so the loop reads most steps' loss and stop flag one step late (the lagged path).
     run = str(tmp_path / "preempted")
-    cfg = _write(tmp_path / "preempted.json", {**base, "output_dir": run, "checkpoint_every": 1000})
+    cfg = _write(tmp_path / "preempted.json", {**base, "output_dir": run, "checkpoint_every": 1000, "log_every": 3})
     cmd = [sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"]
     p = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t_end = time.monotonic() + 300
@@ -191,8 +192,8 @@ def test_resume_after_sigkill_or_sigterm_gives_the_uninterrupted_loss_trace(data
     r = _run(cmd)
     assert r.returncode == 0 and f"resumed from step-{stopped:08d}" in r.stderr, r.stderr[-3000:]
     c = trace(run)
-    assert [s for s, _ in c] == list(range(1, 41))
-    assert max(abs(x - y) for (_, x), (_, y) in zip(a, c)) <= 1e-5
+    assert [s for s, _ in c] == [s for s in range(1, 41) if s % 3 == 0 or s == 40]
+    assert max(abs(x - dict(a)[s]) for s, x in c) <= 1e-5
 
 
 # ---- 3. a DFlash drafter for a target that has none ------------------------------------------------------------

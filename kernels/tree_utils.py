@@ -1,8 +1,8 @@
 """Tree encodings shared by the tree kernels (pure torch, graph-capturable, no host sync).
 
 A batch of draft trees is `parent: int [B, N]` with `parent[b, 0] = -1` and
-`0 <= parent[b, i] < i` for `1 <= i < num_nodes[b]` (topological order); nodes `>= num_nodes[b]`
-are padding. From it we derive, once per step, the inclusive ancestor relation
+`0 <= parent[b, i] < i` for `1 <= i < num_nodes[b]` (topological order; a -1 past node 0 starts
+another tree of a forest); nodes `>= num_nodes[b]` are padding. From it we derive, once per step, the inclusive ancestor relation
 (`anc[b, i, j]` is True iff node j lies on the path root..i, i itself included) either as a bool
 matrix `[B, N, N]` or packed into 32-bit words `[B, N, ceil(N / 32)]` (bit `j % 32` of word
 `j // 32`), plus the depth of every node (root = 0). Padding rows are empty (all False / 0).
@@ -12,26 +12,30 @@ import torch
 WORD_BITS = 32
 
 
-def check_parents(parent: torch.Tensor, num_nodes: torch.Tensor | None = None) -> None:
-    """Raise ValueError unless `parent [B, N]` is a topologically ordered forest of rooted trees.
+def check_parents(parent: torch.Tensor, num_nodes: torch.Tensor | None = None) -> bool:
+    """Raise ValueError unless every real node's parent comes before it; return whether node 0 is an
+    ancestor of every real node of every request (only node 0 has parent -1: a single tree).
 
-    Host-side check (synchronises): call it on the host path, not inside a captured graph.
+    parent [B, N] must satisfy -1 <= parent[b, i] < i for i < num_nodes[b] (default: all N), so node 0
+    has parent -1; another -1 starts a second tree of a forest (GDN verify: it reads the committed
+    state). Padding entries are ignored. This reads the tensors on the host (a device sync): call it
+    outside CUDA-graph capture.
     """
-    if parent.dim() != 2:
-        raise ValueError(f"parent must be [B, N], got shape {tuple(parent.shape)}")
+    if parent.dim() != 2 or (num_nodes is not None and num_nodes.shape != parent.shape[:1]):
+        raise ValueError(f"parent must be [B, N] and num_nodes [B], got {tuple(parent.shape)} "
+                         f"and {None if num_nodes is None else tuple(num_nodes.shape)}")
     B, N = parent.shape
-    n = _num_nodes(parent, num_nodes)
-    idx = torch.arange(N, device=parent.device)
-    valid = idx[None, :] < n[:, None]
-    is_root = valid & (idx[None, :] == 0)
-    ok_root = torch.where(is_root, parent == -1, torch.ones_like(valid))
-    ok_edge = torch.where(valid & ~is_root, (parent >= 0) & (parent < idx[None, :]), torch.ones_like(valid))
-    if not bool((ok_root & ok_edge).all()):
-        bad = torch.nonzero(~(ok_root & ok_edge))[0].tolist()
-        raise ValueError(
-            "parent must satisfy parent[b, 0] == -1 and 0 <= parent[b, i] < i for valid nodes; "
-            f"first violation at (b, i) = {tuple(bad)}, parent = {int(parent[bad[0], bad[1]])}"
-        )
+    p, n = parent.detach().cpu().long(), _num_nodes(parent, num_nodes).cpu()
+    if bool(((n < 0) | (n > N)).any()):
+        raise ValueError(f"num_nodes must lie in [0, {N}], got {n.tolist()}")
+    idx = torch.arange(N)
+    real = idx[None, :] < n[:, None]
+    bad = real & ((p >= idx[None, :]) | (p < -1))
+    if bool(bad.any()):
+        b, i = (int(t) for t in bad.nonzero()[0])
+        raise ValueError(f"parents must be topological (-1 <= parent[b, i] < i): "
+                         f"parent[{b}, {i}] = {int(p[b, i])}; permute the nodes first")
+    return not bool((real & (idx[None, :] >= 1) & (p < 0)).any())
 
 
 def ancestor_mask(parent: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:

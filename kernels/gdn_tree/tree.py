@@ -1,34 +1,9 @@
-"""Per-step tree metadata shared by every GDN layer: parent checks and ancestor bitmasks."""
+"""Per-step tree metadata shared by every GDN layer: ancestor bitmasks (and the shared parent check)."""
 import torch
 
-from kernels.tree_utils import ancestor_bitmask
+from kernels.tree_utils import ancestor_bitmask, check_parents
 
 MAX_NODES = 256
-
-
-def check_parents(parent, num_nodes) -> bool:
-    """Raise ValueError unless every real node's parent comes before it; return whether node 0 is an
-    ancestor of every real node of every request (only node 0 has parent -1: `single_root`).
-
-    parent[b, i] must satisfy -1 <= parent[b, i] < i for i < num_nodes[b] (-1 = reads the committed
-    state; node 0 must have parent -1). Padding entries are ignored. This reads the tensors on the
-    host (a device sync): call it outside CUDA-graph capture.
-    """
-    if parent.dim() != 2 or num_nodes.shape != parent.shape[:1]:
-        raise ValueError(f"parent must be [B, N] and num_nodes [B], got {tuple(parent.shape)} "
-                         f"and {tuple(num_nodes.shape)}")
-    B, N = parent.shape
-    p, n = parent.detach().cpu().long(), num_nodes.detach().cpu().long()
-    if bool(((n < 0) | (n > N)).any()):
-        raise ValueError(f"num_nodes must lie in [0, {N}], got {n.tolist()}")
-    idx = torch.arange(N)
-    real = idx[None, :] < n[:, None]
-    bad = real & ((p >= idx[None, :]) | (p < -1))
-    if bool(bad.any()):
-        b, i = (int(t) for t in bad.nonzero()[0])
-        raise ValueError(f"parents must be topological (-1 <= parent[b, i] < i): "
-                         f"parent[{b}, {i}] = {int(p[b, i])}; permute the nodes first")
-    return not bool((real & (idx[None, :] >= 1) & (p < 0)).any())
 
 
 def tree_ancestor_bits(parent, num_nodes, check=True):

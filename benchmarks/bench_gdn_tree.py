@@ -72,7 +72,8 @@ def configs_for(n, quick=False):
         if root_folded(True, n, d["block_t"]):
             out.append(dict(d, single_root=False))
         # warps per launch and the diagonal inverse's substitution blocks (session 8)
-        out += [dict(d, num_warps=2 if d["num_warps"] == 4 else 4), dict(d, prep_warps=2 if d["prep_warps"] == 4 else 4),
+        out += [dict(d, num_warps=2 if d["num_warps"] == 4 else 4),
+                dict(d, prep_warps=2 if d["prep_warps"] == 4 else 4),
                 dict(d, inv_base=16 if d["inv_base"] != 16 else 8)]
         if d["prep_split"]:
             out += [dict(d, diag_warps=2), dict(d, solve_kc=32)]

@@ -1,8 +1,10 @@
-"""Tree encodings shared by the tree kernels (pure torch, graph-capturable, no host sync).
+"""Tree encodings shared by the tree kernels (pure torch, graph-capturable, no host sync; only the
+parent check `check_parents` reads on the host).
 
 A batch of draft trees is `parent: int [B, N]` with `parent[b, 0] = -1` and
-`0 <= parent[b, i] < i` for `1 <= i < num_nodes[b]` (topological order; a -1 past node 0 starts
-another tree of a forest); nodes `>= num_nodes[b]` are padding. From it we derive, once per step, the inclusive ancestor relation
+`0 <= parent[b, i] < i` for `1 <= i < num_nodes[b]` (topological order; a -1 past node 0
+starts another tree of a forest); nodes `>= num_nodes[b]` are padding. From it we derive, once
+per step, the inclusive ancestor relation
 (`anc[b, i, j]` is True iff node j lies on the path root..i, i itself included) either as a bool
 matrix `[B, N, N]` or packed into 32-bit words `[B, N, ceil(N / 32)]` (bit `j % 32` of word
 `j // 32`), plus the depth of every node (root = 0). Padding rows are empty (all False / 0).

@@ -182,7 +182,8 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
             r0, r1 = g0 * group, min(M, g1 * group)
             S = torch.empty(g1 - g0, GQ, U, dtype=torch.float32, device=hidden.device)
             grouped_scores_kernel[(triton.cdiv(U, cfg["fwd_bu"]), g1 - g0)](
-                hidden[r0:r1], weight, union[g0:g1], count[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0, U, Dm, V,
+                hidden[r0:r1], weight, union[g0:g1], count[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0,
+                U, Dm, V,
                 G=group, GQ=GQ, BU=cfg["fwd_bu"], BD=cfg["fwd_bd"], DOT_PREC=_dot_prec(precision),
                 num_warps=cfg["warps"], num_stages=cfg["stages"])
             srow = _scratch_rows(r1 - r0, group, GQ, hidden.device)

@@ -13,33 +13,21 @@ import json
 import torch
 from _timing import env_info  # (also puts the repo root on sys.path)
 
-from benchmarks.bench_gdn_tree import graph_time
-from kernels.gdn_tree import ref, tree_gdn_verify
+from benchmarks.bench_gdn_tree import graph_time, verify_call
+from benchmarks.gdn_tree_cases import make_inputs
 from kernels.gdn_tree.tree import tree_ancestor_bits
 from tfm_runtime.io import atomic_write_json
 
-H, K = 16, 128
-
 
 def inputs(n, hv, seed):
-    gen = torch.Generator().manual_seed(seed)
-    parent = ref.make_tree(n, "chain", generator=gen).int()[None]
-    d = dict(q=torch.randn(1, n, H, K, generator=gen), k=torch.randn(1, n, H, K, generator=gen),
-             v=torch.randn(1, n, hv, K, generator=gen),
-             g=torch.nn.functional.logsigmoid(torch.randn(1, n, hv, generator=gen)),
-             beta=torch.rand(1, n, hv, generator=gen), pool=torch.randn(2, hv, K, K, generator=gen) * 0.5)
-    d = {k: v.cuda() for k, v in d.items()}
-    for x in ("q", "k", "v"):
-        d[x] = d[x].bfloat16()
-    d["num"] = torch.tensor([n], dtype=torch.int32, device="cuda")
-    d["sidx"] = torch.tensor([0], dtype=torch.int32, device="cuda")
-    d["anc"] = tree_ancestor_bits(parent.cuda(), d["num"])
+    """A chain of n nodes at HV=hv value heads (B=1, bf16), its ancestor bits built once."""
+    d = make_inputs(1, n, [n], "chain", torch.bfloat16, seed=seed, P=2, HV=hv)[1]
+    d["anc"] = tree_ancestor_bits(d["parent"], d["num"])
     return d
 
 
 def call(d, stages, **cfg):
-    return tree_gdn_verify(d["q"], d["k"], d["v"], d["g"], d["beta"], None, d["num"], d["pool"], d["sidx"],
-                           anc=d["anc"], single_root=True, stages=stages, **cfg)
+    return verify_call(d, dict(cfg, single_root=True), stages)
 
 
 def main():

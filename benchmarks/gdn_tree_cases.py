@@ -22,7 +22,7 @@ def rel(x, r):
 
 
 def make_inputs(B, N, n, kind, dtype, state_dtype=torch.float32, v_first=False, seed=0,
-                gnorm=1.0, P=None, dev="cuda", p_chain=0.6):
+                gnorm=1.0, P=None, dev="cuda", p_chain=0.6, HV=HV):
     """Random trees and GDN inputs. Returns (cpu dict with S0 [B, HV, K, V], device dict with pool)."""
     gen = torch.Generator().manual_seed(seed)
     parent = torch.full((B, N), -1, dtype=torch.int32)

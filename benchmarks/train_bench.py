@@ -82,10 +82,20 @@ def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, iters: int =
     return best
 
 
-def step_once(engine, batch: dict, rank: int, micro: int) -> None:
+def step_once(engine, batch: dict, rank: int, micro: int, host: dict | None = None) -> torch.Tensor:
+    """One optimizer step on this rank's rows of `batch` -> the loss; `host` (if given) adds up the host
+    seconds of the forward, backward and step calls (no sync inside)."""
+    t0 = time.perf_counter()
     loss, _ = engine({n: t[rank * micro:(rank + 1) * micro] for n, t in batch.items()})
+    t1 = time.perf_counter()
     engine.backward(loss)
+    t2 = time.perf_counter()
     engine.step()
+    if host is not None:
+        host["forward"] += t1 - t0
+        host["backward"] += t2 - t1
+        host["step"] += time.perf_counter() - t2
+    return loss
 
 
 def sync_sites(fn, frames: int = 6) -> list[str]:
@@ -263,13 +273,9 @@ def main(argv=None) -> dict:
 
     losses, times = [], []
     for step in range(args.warmup + args.steps):
-        full = pool[step % len(pool)]
-        batch = {n: t[rank * micro:(rank + 1) * micro] for n, t in full.items()}
         _sync(device)
         t0 = time.perf_counter()
-        loss, _ = engine(batch)
-        engine.backward(loss)
-        engine.step()
+        loss = step_once(engine, pool[step % len(pool)], rank, micro)
         _sync(device)
         dt = time.perf_counter() - t0
         total = loss.detach().float()
@@ -278,24 +284,15 @@ def main(argv=None) -> dict:
         losses.append(float(total) / world)
         if step >= args.warmup:
             times.append(dt)
-    # back to back, as the trainer runs them (it reads a step's loss and gradient norm one step late): no host
-    # sync between steps, so the host prepares the next step while the GPU runs this one
     syncs = sync_sites(lambda: step_once(engine, pool[0], rank, micro)) if args.sync_debug and cuda else None
-    # host seconds per call (no sync inside: near the step time, the host is what the GPU waits for)
+    # back to back, as the trainer runs them (it reads a step's loss and gradient norm one step late): no host
+    # sync between steps, so the host prepares the next step while the GPU runs this one. The host seconds per
+    # call show what waits: near the step time, the host is what the GPU waits for
     _sync(device)
     host = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     t0 = time.perf_counter()
     for step in range(args.steps):
-        batch = {n: t[rank * micro:(rank + 1) * micro] for n, t in pool[step % len(pool)].items()}
-        t1 = time.perf_counter()
-        loss, _ = engine(batch)
-        t2 = time.perf_counter()
-        engine.backward(loss)
-        t3 = time.perf_counter()
-        engine.step()
-        host["forward"] += t2 - t1
-        host["backward"] += t3 - t2
-        host["step"] += time.perf_counter() - t3
+        step_once(engine, pool[step % len(pool)], rank, micro, host)
     _sync(device)
     steady_s = (time.perf_counter() - t0) / args.steps
     host_ms = {k: v / args.steps * 1e3 for k, v in host.items()}
@@ -305,10 +302,7 @@ def main(argv=None) -> dict:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             for step in range(3):
-                batch = {n: t[rank * micro:(rank + 1) * micro] for n, t in pool[step % len(pool)].items()}
-                loss, _ = engine(batch)
-                engine.backward(loss)
-                engine.step()
+                step_once(engine, pool[step % len(pool)], rank, micro)
             _sync(device)
             wall = (time.perf_counter() - t0) / 3
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))

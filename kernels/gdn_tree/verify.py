@@ -309,6 +309,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                          f"{triton.__version__}")
     prep_maxnreg = dflt["prep_maxnreg"] if prep_maxnreg is None else prep_maxnreg
     inv_base = inv_base or dflt["inv_base"]
+    prep_warps, diag_warps = prep_warps or dflt["prep_warps"], diag_warps or dflt["diag_warps"]
     if inv_base not in (4, 8, 16):
         raise ValueError(f"inv_base must be 4, 8 or 16, got {inv_base}")
     if BT not in (16, 32, 64):
@@ -346,7 +347,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
                     DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, INV_BASE=inv_base,
                     INV_PREC="tf32x3" if precision == "tf32" and inv_base < BT else precision,
-                    num_warps=(diag_warps or dflt["diag_warps"]) if part == 1 else (prep_warps or dflt["prep_warps"]),
+                    num_warps=diag_warps if part == 1 else prep_warps,
                     **extra)
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](

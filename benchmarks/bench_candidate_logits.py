@@ -19,11 +19,20 @@ from kernels.candidate_logits.triton import candidate_logits, candidate_logits_f
 from tfm_runtime.io import atomic_write_json
 
 PEAK_BW = 4.8e12
-# Tuning sweep (BLOCK_K, BLOCK_D, num_warps, num_stages), timed on a few cases only.
+# Tuning sweep: launch configurations (BLOCK_K, BLOCK_D, num_warps, num_stages[, PERSIST programs per SM, FLAT]),
+# timed on a few cases only.
 SWEEP = [(32, 256, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (16, 256, 4, 4), (32, 256, 8, 4),
          (8, 512, 4, 4),
          # session 8: around the default 4 x 2048 (hidden 5120 is 2.5 blocks of 2048: 1024 divides it)
-         (4, 1024, 4, 3), (4, 2048, 4, 2), (4, 2048, 4, 4), (4, 2048, 8, 3), (2, 2048, 4, 3), (2, 4096, 4, 3)]
+         (4, 1024, 4, 3), (4, 2048, 4, 2), (4, 2048, 4, 4), (4, 2048, 8, 3), (2, 2048, 4, 3), (2, 4096, 4, 3),
+         # session 9: the persistent logits pass (no last wave draining alone), nested or flat loops
+         (4, 2048, 4, 3, 3, False), (4, 2048, 4, 3, 4, False), (4, 2048, 4, 3, 6, False),
+         (4, 1024, 4, 3, 4, True), (4, 1024, 4, 4, 4, True), (4, 1024, 4, 3, 6, True),
+         (8, 1024, 4, 3, 2, True), (8, 1024, 4, 3, 4, True), (8, 512, 4, 4, 4, True), (2, 1024, 4, 4, 8, True)]
+
+
+def sweep_config(entry: tuple) -> dict:
+    return dict(zip(("BLOCK_K", "BLOCK_D", "num_warps", "num_stages", "PERSIST", "FLAT"), entry))
 
 
 def make_sets(M, Kc, Dm, V, dtype, dev, gen, copies):
@@ -35,7 +44,7 @@ def make_sets(M, Kc, Dm, V, dtype, dev, gen, copies):
     return sets
 
 
-def bench_case(M, Kc, weight, dev, sweep):
+def bench_case(M, Kc, weight, dev, sweep: list):
     V, Dm = weight.shape
     gen = torch.Generator(device=dev).manual_seed(M * 131 + Kc)
     es = weight.element_size()
@@ -71,8 +80,8 @@ def bench_case(M, Kc, weight, dev, sweep):
             row[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
     if sweep:
         row["sweep"] = []
-        for bk, bd, w, st in SWEEP:
-            cfg = dict(BLOCK_K=bk, BLOCK_D=bd, num_warps=w, num_stages=st)
+        for e in sweep:
+            cfg = sweep_config(e)
             entry = dict(config=cfg)
             try:
                 s_lg, s_lp = candidate_logits_fwd(hidden, weight, cand, None, None, False, cfg)
@@ -93,6 +102,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/candidate_logits_h200.json")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU shapes (run under TRITON_INTERPRET=1)")
     ap.add_argument("--cases", help="only these MxKc cases, e.g. 64x512,65x512 (default: all)")
+    ap.add_argument("--sweep-from", type=int, default=0, help="sweep only SWEEP[i:] (default: all of it)")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if a.smoke:
@@ -111,7 +121,7 @@ def main():
     res = dict(env=env_info(), op="candidate_logits", copy_bandwidth_tbps=bw,
                peak_assumed=dict(hbm_tbps=PEAK_BW / 1e12), cases=[])
     for M, Kc in cases:
-        row = bench_case(M, Kc, weight, dev, (M, Kc) in sweep_at)
+        row = bench_case(M, Kc, weight, dev, SWEEP[a.sweep_from:] if (M, Kc) in sweep_at else [])
         if bw:
             row["time_over_measured_copy_bw_floor"] = row["triton"]["us"] * 1e-6 * bw * 1e12 / row["floor_bytes"]
         res["cases"].append(row)
@@ -125,7 +135,8 @@ def main():
               f"{r['logprobs_max_abs_err']:>8.1e}")
         for s in r.get("sweep", []):
             c = s["config"]
-            print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']}: "
+            p = f" P{c['PERSIST']}{'f' if c.get('FLAT') else 'n'}" if c.get("PERSIST") else ""
+            print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']}{p}: "
                   f"{s.get('us', float('nan')):.2f} us ({s.get('time_over_floor', float('nan')):.2f}x) "
                   f"{s.get('error', '')[:60]}")
     print(f"copy bandwidth {bw} TB/s; " + json.dumps(res["env"]))

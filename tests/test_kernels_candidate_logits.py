@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 from kernels.candidate_logits import candidate_logits, candidate_logits_ref  # noqa: E402
 from kernels.candidate_logits.ref import candidate_logits_full_head  # noqa: E402
-from kernels.candidate_logits.triton import candidate_logits_fwd  # noqa: E402
+from kernels.candidate_logits.triton import candidate_logits_fwd, persistent_programs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
@@ -80,6 +80,30 @@ def test_block_sizes_and_dm_remainder(cfg):
 
 
 @cpu_only
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
+@pytest.mark.parametrize("per_sm", [1, 3])
+def test_persistent_logits_pass(per_sm, flat):
+    # 5 rows x 10 blocks = 50 tiles over 4 (interpreter "SMs") x per_sm programs: 12-13 tiles each at per_sm=1,
+    # 5 each at 3 (10 programs);
+    # hidden 75 is not a multiple of the 32-column block; bias and per-row temperature on.
+    hidden, weight, cand = make_inputs(5, 37, 75, 200, torch.float32, pad_frac=0.1)
+    cand[3] = -1
+    gen = torch.Generator().manual_seed(1)
+    bias, inv_t = torch.randn(5, 37, generator=gen), 0.5 + torch.rand(5, generator=gen)
+    cfg = dict(BLOCK_K=4, BLOCK_D=32, num_warps=4, num_stages=1, PERSIST=per_sm, FLAT=flat)
+    out = candidate_logits_fwd(hidden, weight, cand, inv_t, bias, True, cfg)
+    check(out, candidate_logits_ref(hidden, weight, cand, inv_t, bias), torch.float32)
+
+
+def test_persistent_programs_split_evenly():
+    assert persistent_programs(8192, 528) == 512          # M=64, Kc=512 in 4-row tiles on 132 SMs x 4
+    assert persistent_programs(8320, 528) == 520          # M=65
+    assert persistent_programs(50, 12) == 10
+    assert persistent_programs(7, 12) == 7                # fewer tiles than the cap
+    assert persistent_programs(97, 12) == 12              # a prime: no even split keeps 3/4 busy
+
+
+@cpu_only
 def test_pads_duplicates_and_vocab_edges():
     V = 90
     hidden, weight, _ = make_inputs(4, 6, 40, V, torch.float32)
@@ -139,3 +163,17 @@ def test_gpu_bf16(M, Kc):
     out = candidate_logits(hidden, weight, cand, 0.8, return_lse=True, bias=bias)
     check(out, candidate_logits_ref(hidden, weight, cand, 0.8, bias), torch.bfloat16)
 
+
+
+@gpu_only
+@pytest.mark.parametrize("cfg", [dict(BLOCK_K=4, BLOCK_D=2048, num_stages=3, PERSIST=4, FLAT=False),
+                                 dict(BLOCK_K=4, BLOCK_D=1024, num_stages=3, PERSIST=4, FLAT=True),
+                                 dict(BLOCK_K=8, BLOCK_D=1024, num_stages=4, PERSIST=2, FLAT=True)],
+                         ids=["nested", "flat", "flat-8x1024"])
+def test_gpu_bf16_persistent(cfg):
+    M, Kc = 65, 512
+    hidden, weight, cand = make_inputs(M, Kc, 5120, 32000, torch.bfloat16, pad_frac=0.05, device="cuda")
+    inv_t = 0.5 + torch.rand(M, device="cuda")
+    bias = torch.randn(M, Kc, device="cuda")
+    out = candidate_logits_fwd(hidden, weight, cand, inv_t, bias, True, {**cfg, "num_warps": 4})
+    check(out, candidate_logits_ref(hidden, weight, cand, inv_t, bias), torch.bfloat16)

@@ -13,6 +13,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_logits(acc, i_m, o_k, m_k, valid, bias, inv_t, logits, s_bm, Kc, inv_t_scalar,
+                 HAS_BIAS: tl.constexpr, INV_T_PER_ROW: tl.constexpr):
+    """Reduce a [BK, BD] product tile to the BK logits of row i_m, scale, add the bias, store; returns them."""
+    b_l = tl.sum(acc, 1)
+    if INV_T_PER_ROW:
+        b_l = b_l * tl.load(inv_t + i_m).to(tl.float32)
+    else:
+        b_l = b_l * inv_t_scalar
+    if HAS_BIAS:
+        b_l += tl.load(bias + i_m * s_bm + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_l = tl.where(valid, b_l, float("-inf"))
+    tl.store(logits + i_m * Kc + o_k, b_l, mask=m_k)
+    return b_l
+
+
+@triton.jit
 def candidate_logits_fwd_kernel(
     hidden, weight, cand, bias, inv_t, logits, logprobs, lse,
     s_hm, s_wv, s_cm, s_bm, Kc, Dm, V, inv_t_scalar,
@@ -32,15 +48,8 @@ def candidate_logits_fwd_kernel(
         b_h = tl.load(hidden + i_m * s_hm + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
         b_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)  # [BK, BD]
         acc += b_w.to(tl.float32) * b_h[None, :]
-    b_l = tl.sum(acc, 1)
-    if INV_T_PER_ROW:
-        b_l = b_l * tl.load(inv_t + i_m).to(tl.float32)
-    else:
-        b_l = b_l * inv_t_scalar
-    if HAS_BIAS:
-        b_l += tl.load(bias + i_m * s_bm + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_l = tl.where(valid, b_l, float("-inf"))
-    tl.store(logits + i_m * Kc + o_k, b_l, mask=m_k)
+    b_l = _tile_logits(acc, i_m, o_k, m_k, valid, bias, inv_t, logits, s_bm, Kc, inv_t_scalar,
+                       HAS_BIAS, INV_T_PER_ROW)
     if FUSED:
         mx = tl.max(b_l, 0)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
@@ -51,6 +60,55 @@ def candidate_logits_fwd_kernel(
         tl.store(logprobs + i_m * Kc + o_k, tl.where(valid, b_l - lse_sub, float("-inf")), mask=m_k)
         if STORE_LSE:
             tl.store(lse + i_m, b_lse)
+
+
+@triton.jit
+def candidate_logits_persistent_kernel(
+    hidden, weight, cand, bias, inv_t, logits,
+    s_hm, s_wv, s_cm, s_bm, Kc, Dm, V, inv_t_scalar, n_tiles, n_kb,
+    HAS_BIAS: tl.constexpr, INV_T_PER_ROW: tl.constexpr, FLAT: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The logits pass with a fixed number P of programs: program p takes tiles p, p + P, ... (tile t: row
+    t // n_kb, candidates (t % n_kb) * BLOCK_K ...), so all programs do the same work (+-1 tile) and finish
+    together instead of a last wave draining alone. FLAT: one loop over (tile, hidden block) steps, so the
+    pipeline keeps loading across tile boundaries; else a loop over tiles around the hidden-block loop."""
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    if FLAT:
+        n_d = tl.cdiv(Dm, BLOCK_D)
+        acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+        for it in range(0, tl.cdiv(n_tiles - pid, P) * n_d):
+            t = pid + (it // n_d) * P
+            i_m, o_k = (t // n_kb).to(tl.int64), (t % n_kb) * BLOCK_K + tl.arange(0, BLOCK_K)
+            m_k = o_k < Kc
+            ids = tl.load(cand + i_m * s_cm + o_k, mask=m_k, other=-1).to(tl.int64)
+            valid = m_k & (ids >= 0) & (ids < V)
+            o_d = (it % n_d) * BLOCK_D + tl.arange(0, BLOCK_D)
+            m_d = o_d < Dm
+            b_h = tl.load(hidden + i_m * s_hm + o_d, mask=m_d, other=0.0).to(tl.float32)   # [BD]
+            b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
+                          mask=valid[:, None] & m_d[None, :], other=0.0)                # [BK, BD]
+            acc += b_w.to(tl.float32) * b_h[None, :]
+            if it % n_d == n_d - 1:
+                _tile_logits(acc, i_m, o_k, m_k, valid, bias, inv_t, logits, s_bm, Kc, inv_t_scalar,
+                             HAS_BIAS, INV_T_PER_ROW)
+                acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+    else:
+        for t in range(pid, n_tiles, P):
+            i_m, o_k = (t // n_kb).to(tl.int64), (t % n_kb) * BLOCK_K + tl.arange(0, BLOCK_K)
+            m_k = o_k < Kc
+            ids = tl.load(cand + i_m * s_cm + o_k, mask=m_k, other=-1).to(tl.int64)
+            valid = m_k & (ids >= 0) & (ids < V)
+            p_w = weight + tl.where(valid, ids, 0)[:, None] * s_wv
+            acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+            for d0 in range(0, Dm, BLOCK_D):
+                o_d = d0 + tl.arange(0, BLOCK_D)
+                m_d = o_d < Dm
+                b_h = tl.load(hidden + i_m * s_hm + o_d, mask=m_d, other=0.0).to(tl.float32)
+                b_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)
+                acc += b_w.to(tl.float32) * b_h[None, :]
+            _tile_logits(acc, i_m, o_k, m_k, valid, bias, inv_t, logits, s_bm, Kc, inv_t_scalar,
+                         HAS_BIAS, INV_T_PER_ROW)
 
 
 @triton.jit
@@ -89,6 +147,16 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def persistent_programs(n_tiles: int, cap: int) -> int:
+    """Programs of the persistent logits pass: the largest P <= cap that splits n_tiles evenly, if one
+    keeps 3/4 of cap busy; else cap (some programs then take one tile more)."""
+    cap = max(1, min(cap, n_tiles))
+    for p in range(cap, (3 * cap) // 4, -1):
+        if n_tiles % p == 0:
+            return p
+    return cap
+
+
 def pick_config(M, Kc, Dm, device):
     """BLOCK_K: 4 up to 256 query rows, above that the largest of 32/16/8 that still gives ~4 programs per SM (else
     4); tiles of <= 8K elements. H200 sweep at Kc=512, hidden 5120 (benchmarks/results/candidate_logits_h200.json):
@@ -115,13 +183,20 @@ def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse
         return (logits, logprobs, lse) if return_lse else (logits, logprobs)
     per_row = isinstance(inv_temperature, torch.Tensor)
     n_kb = triton.cdiv(Kc, cfg["BLOCK_K"])
-    candidate_logits_fwd_kernel[(M, n_kb)](
-        hidden, weight, cand, bias, inv_temperature if per_row else None, logits, logprobs, lse,
-        hidden.stride(0), weight.stride(0), cand.stride(0), bias.stride(0) if bias is not None else 0,
-        Kc, Dm, V, 1.0 if per_row or inv_temperature is None else float(inv_temperature),
-        HAS_BIAS=bias is not None, INV_T_PER_ROW=per_row, FUSED=n_kb == 1, STORE_LSE=return_lse,
-        BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    common = (hidden.stride(0), weight.stride(0), cand.stride(0), bias.stride(0) if bias is not None else 0,
+              Kc, Dm, V, 1.0 if per_row or inv_temperature is None else float(inv_temperature))
+    launch = dict(BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"], HAS_BIAS=bias is not None, INV_T_PER_ROW=per_row)
+    inv_t = inv_temperature if per_row else None
+    if cfg.get("PERSIST", 0) and n_kb > 1:
+        sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
+        P = persistent_programs(M * n_kb, cfg["PERSIST"] * sms)
+        candidate_logits_persistent_kernel[(P,)](
+            hidden, weight, cand, bias, inv_t, logits, *common, M * n_kb, n_kb, FLAT=cfg.get("FLAT", False), **launch)
+    else:
+        candidate_logits_fwd_kernel[(M, n_kb)](
+            hidden, weight, cand, bias, inv_t, logits, logprobs, lse, *common,
+            FUSED=n_kb == 1, STORE_LSE=return_lse, **launch)
     if n_kb > 1:
         candidate_log_softmax_kernel[(M,)](
             logits, cand, logprobs, lse, cand.stride(0), Kc, V,

@@ -28,10 +28,17 @@ SWEEP = [(32, 256, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (16
          # session 9: the persistent logits pass (no last wave draining alone), nested or flat loops
          (4, 2048, 4, 3, 3, False), (4, 2048, 4, 3, 4, False), (4, 2048, 4, 3, 6, False),
          (4, 1024, 4, 3, 4, True), (4, 1024, 4, 4, 4, True), (4, 1024, 4, 3, 6, True),
-         (8, 1024, 4, 3, 2, True), (8, 1024, 4, 3, 4, True), (8, 512, 4, 4, 4, True), (2, 1024, 4, 4, 8, True)]
+         (8, 1024, 4, 3, 2, True), (8, 1024, 4, 3, 4, True), (8, 512, 4, 4, 4, True), (2, 1024, 4, 4, 8, True),
+         # session 9: one launch, each row's last program does its log-softmax (ROWS: programs per SM)
+         dict(ROWS=4), dict(ROWS=4, num_stages=4), dict(ROWS=3), dict(ROWS=5), dict(ROWS=4, COUNTER="zeros"),
+         dict(ROWS=4, BLOCK_K=4, BLOCK_D=1024), dict(ROWS=4, BLOCK_K=16, BLOCK_D=512),
+         dict(ROWS=4, BLOCK_K=8, BLOCK_D=512, num_stages=4), dict(ROWS=3, BLOCK_K=4, BLOCK_D=2048)]
 
 
-def sweep_config(entry: tuple) -> dict:
+def sweep_config(entry: tuple | dict) -> dict:
+    """A SWEEP entry as a launch configuration; dict entries override 8 x 1024 tiles, 4 warps, 3 stages."""
+    if isinstance(entry, dict):
+        return dict(dict(BLOCK_K=8, BLOCK_D=1024, num_warps=4, num_stages=3), **entry)
     return dict(zip(("BLOCK_K", "BLOCK_D", "num_warps", "num_stages", "PERSIST", "FLAT"), entry))
 
 
@@ -136,6 +143,7 @@ def main():
         for s in r.get("sweep", []):
             c = s["config"]
             p = f" P{c['PERSIST']}{'f' if c.get('FLAT') else 'n'}" if c.get("PERSIST") else ""
+            p += f" R{c['ROWS']}{'z' if c.get('COUNTER') == 'zeros' else ''}" if c.get("ROWS") else ""
             print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']}{p}: "
                   f"{s.get('us', float('nan')):.2f} us ({s.get('time_over_floor', float('nan')):.2f}x) "
                   f"{s.get('error', '')[:60]}")

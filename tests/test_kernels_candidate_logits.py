@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 from kernels.candidate_logits import candidate_logits, candidate_logits_ref  # noqa: E402
 from kernels.candidate_logits.ref import candidate_logits_full_head  # noqa: E402
-from kernels.candidate_logits.triton import candidate_logits_fwd, persistent_programs  # noqa: E402
+from kernels.candidate_logits.triton import _COUNTERS, candidate_logits_fwd, persistent_programs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
@@ -168,12 +168,33 @@ def test_gpu_bf16(M, Kc):
 @gpu_only
 @pytest.mark.parametrize("cfg", [dict(BLOCK_K=4, BLOCK_D=2048, num_stages=3, PERSIST=4, FLAT=False),
                                  dict(BLOCK_K=4, BLOCK_D=1024, num_stages=3, PERSIST=4, FLAT=True),
-                                 dict(BLOCK_K=8, BLOCK_D=1024, num_stages=4, PERSIST=2, FLAT=True)],
-                         ids=["nested", "flat", "flat-8x1024"])
+                                 dict(BLOCK_K=8, BLOCK_D=1024, num_stages=4, PERSIST=2, FLAT=True),
+                                 dict(BLOCK_K=8, BLOCK_D=1024, num_stages=3, ROWS=4),
+                                 dict(BLOCK_K=4, BLOCK_D=2048, num_stages=3, ROWS=2, COUNTER="zeros")],
+                         ids=["nested", "flat", "flat-8x1024", "rows", "rows-zeros"])
 def test_gpu_bf16_persistent(cfg):
     M, Kc = 65, 512
     hidden, weight, cand = make_inputs(M, Kc, 5120, 32000, torch.bfloat16, pad_frac=0.05, device="cuda")
     inv_t = 0.5 + torch.rand(M, device="cuda")
     bias = torch.randn(M, Kc, device="cuda")
-    out = candidate_logits_fwd(hidden, weight, cand, inv_t, bias, True, {**cfg, "num_warps": 4})
-    check(out, candidate_logits_ref(hidden, weight, cand, inv_t, bias), torch.bfloat16)
+    ref = candidate_logits_ref(hidden, weight, cand, inv_t, bias)
+    for _ in range(3):                # the rows pass reuses its counters
+        check(candidate_logits_fwd(hidden, weight, cand, inv_t, bias, True, {**cfg, "num_warps": 4}), ref,
+              torch.bfloat16)
+
+
+@cpu_only
+@pytest.mark.parametrize("rows", [1, 6])
+def test_rows_pass_one_launch(rows):
+    # 5 rows x 10 blocks; rows=1 -> 1 program per row (4 "SMs" / 5 rows), rows=6 -> 5 programs of 2 blocks;
+    # a row whose candidates are all pads; bias, per-row temperature; the counters are zero again after.
+    hidden, weight, cand = make_inputs(5, 37, 75, 200, torch.float32, pad_frac=0.1)
+    cand[3] = -1
+    cand[1, :20] = -1                                     # row 1: the first programs see only pads
+    gen = torch.Generator().manual_seed(2)
+    bias, inv_t = torch.randn(5, 37, generator=gen), 0.5 + torch.rand(5, generator=gen)
+    cfg = dict(BLOCK_K=4, BLOCK_D=32, num_warps=4, num_stages=1, ROWS=rows)
+    for _ in range(2):                                    # the second call reuses the counters
+        out = candidate_logits_fwd(hidden, weight, cand, inv_t, bias, True, cfg)
+        check(out, candidate_logits_ref(hidden, weight, cand, inv_t, bias), torch.float32)
+    assert all((c == 0).all() for c in _COUNTERS.values())

@@ -112,6 +112,66 @@ def candidate_logits_persistent_kernel(
 
 
 @triton.jit
+def candidate_logits_rows_kernel(
+    hidden, weight, cand, bias, inv_t, logits, logprobs, lse, part, counter,
+    s_hm, s_wv, s_cm, s_bm, Kc, Dm, V, inv_t_scalar, n_kb, T,
+    HAS_BIAS: tl.constexpr, INV_T_PER_ROW: tl.constexpr, STORE_LSE: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One launch, log-softmax included. Grid (S, M): program (s, m) scores candidate blocks s*T .. s*T+T-1 of
+    row m (one loop over (block, hidden block) steps), keeps a running max and sum of exps of its logits and
+    stores them to part [M, S, 2]; then it counts itself in counter[m] (acq_rel). The row's last program
+    merges the S partials into the row's lse, writes its log-probs and sets counter[m] back to 0."""
+    i_s, i_m = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    S = tl.num_programs(0)
+    kb0 = i_s * T
+    n_d = tl.cdiv(Dm, BLOCK_D)
+    acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+    run_m = tl.full([], float("-inf"), dtype=tl.float32)
+    run_s = tl.zeros([], dtype=tl.float32)
+    for it in range(0, tl.minimum(T, n_kb - kb0) * n_d):
+        o_k = (kb0 + it // n_d) * BLOCK_K + tl.arange(0, BLOCK_K)
+        m_k = o_k < Kc
+        ids = tl.load(cand + i_m * s_cm + o_k, mask=m_k, other=-1).to(tl.int64)
+        valid = m_k & (ids >= 0) & (ids < V)
+        o_d = (it % n_d) * BLOCK_D + tl.arange(0, BLOCK_D)
+        m_d = o_d < Dm
+        b_h = tl.load(hidden + i_m * s_hm + o_d, mask=m_d, other=0.0).to(tl.float32)       # [BD]
+        b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
+                      mask=valid[:, None] & m_d[None, :], other=0.0)                    # [BK, BD]
+        acc += b_w.to(tl.float32) * b_h[None, :]
+        if it % n_d == n_d - 1:
+            b_l = _tile_logits(acc, i_m, o_k, m_k, valid, bias, inv_t, logits, s_bm, Kc, inv_t_scalar,
+                               HAS_BIAS, INV_T_PER_ROW)
+            new_m = tl.maximum(run_m, tl.max(b_l, 0))
+            use_m = tl.where(new_m == float("-inf"), 0.0, new_m)
+            run_s = run_s * tl.exp(run_m - use_m) + tl.sum(tl.exp(b_l - use_m), 0)
+            run_m = new_m
+            acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+    tl.store(part + (i_m * S + i_s) * 2, run_m)
+    tl.store(part + (i_m * S + i_s) * 2 + 1, run_s)
+    if tl.atomic_add(counter + i_m, 1, sem="acq_rel") == S - 1:
+        o_s = tl.arange(0, BLOCK_S)
+        p_m = tl.load(part + (i_m * S + o_s) * 2, mask=o_s < S, other=float("-inf"), cache_modifier=".cg")
+        p_s = tl.load(part + (i_m * S + o_s) * 2 + 1, mask=o_s < S, other=0.0, cache_modifier=".cg")
+        mx = tl.max(p_m, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        se = tl.sum(p_s * tl.exp(p_m - mx), 0)
+        b_lse = tl.where(se > 0, mx + tl.log(tl.where(se > 0, se, 1.0)), float("-inf"))
+        lse_sub = tl.where(se > 0, b_lse, 0.0)
+        for c0 in range(0, Kc, BLOCK_C):
+            o_c = c0 + tl.arange(0, BLOCK_C)
+            m_c = o_c < Kc
+            ids = tl.load(cand + i_m * s_cm + o_c, mask=m_c, other=-1)
+            b_l = tl.load(logits + i_m * Kc + o_c, mask=m_c, other=float("-inf"), cache_modifier=".cg")
+            ok = (ids >= 0) & (ids < V)
+            tl.store(logprobs + i_m * Kc + o_c, tl.where(ok, b_l - lse_sub, float("-inf")), mask=m_c)
+        if STORE_LSE:
+            tl.store(lse + i_m, b_lse)
+        tl.store(counter + i_m, 0)
+
+
+@triton.jit
 def candidate_log_softmax_kernel(
     logits, cand, logprobs, lse, s_cm, Kc, V, BLOCK_C: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
@@ -145,6 +205,19 @@ def candidate_log_softmax_kernel(
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_COUNTERS: dict = {}
+
+
+def _row_counters(M: int, device: torch.device) -> torch.Tensor:
+    """int32 [>= M] zeros for `candidate_logits_rows_kernel`, one buffer per (device, stream), reused: the
+    kernel leaves it all zero again. Calls on one stream never overlap, so they can share it."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < M:
+        buf = _COUNTERS[key] = torch.zeros(max(M, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def persistent_programs(n_tiles: int, cap: int) -> int:
@@ -188,6 +261,18 @@ def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse
     launch = dict(BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"], HAS_BIAS=bias is not None, INV_T_PER_ROW=per_row)
     inv_t = inv_temperature if per_row else None
+    if cfg.get("ROWS", 0) and n_kb > 1:
+        sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
+        T = triton.cdiv(n_kb, max(1, min(n_kb, round(cfg["ROWS"] * sms / M))))
+        S = triton.cdiv(n_kb, T)
+        part = torch.empty(M, S, 2, dtype=torch.float32, device=dev)
+        counter = _row_counters(M, dev) if cfg.get("COUNTER", "cached") == "cached" else \
+            torch.zeros(M, dtype=torch.int32, device=dev)
+        candidate_logits_rows_kernel[(S, M)](
+            hidden, weight, cand, bias, inv_t, logits, logprobs, lse, part, counter, *common, n_kb, T,
+            STORE_LSE=return_lse, BLOCK_S=triton.next_power_of_2(S), BLOCK_C=min(1024, triton.next_power_of_2(Kc)),
+            **launch)
+        return (logits, logprobs, lse) if return_lse else (logits, logprobs)
     if cfg.get("PERSIST", 0) and n_kb > 1:
         sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
         P = persistent_programs(M * n_kb, cfg["PERSIST"] * sms)

@@ -32,7 +32,13 @@ SWEEP = [(32, 256, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (16
          # session 9: one launch, each row's last program does its log-softmax (ROWS: programs per SM)
          dict(ROWS=4), dict(ROWS=4, num_stages=4), dict(ROWS=3), dict(ROWS=5), dict(ROWS=4, COUNTER="zeros"),
          dict(ROWS=4, BLOCK_K=4, BLOCK_D=1024), dict(ROWS=4, BLOCK_K=16, BLOCK_D=512),
-         dict(ROWS=4, BLOCK_K=8, BLOCK_D=512, num_stages=4), dict(ROWS=3, BLOCK_K=4, BLOCK_D=2048)]
+         dict(ROWS=4, BLOCK_K=8, BLOCK_D=512, num_stages=4), dict(ROWS=3, BLOCK_K=4, BLOCK_D=2048),
+         # session 9: the next hidden block's loads issued before this block's products
+         dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=2048), dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=1024),
+         dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=1024), dict(PREFETCH=True, BLOCK_K=2, BLOCK_D=2048),
+         dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=512), dict(PREFETCH=True, BLOCK_K=16, BLOCK_D=256),
+         dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=2048, num_warps=8), dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=1024, num_warps=8),
+         dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=512), dict(PREFETCH=True, BLOCK_K=2, BLOCK_D=1024)]
 
 
 def sweep_config(entry: tuple | dict) -> dict:
@@ -144,6 +150,7 @@ def main():
             c = s["config"]
             p = f" P{c['PERSIST']}{'f' if c.get('FLAT') else 'n'}" if c.get("PERSIST") else ""
             p += f" R{c['ROWS']}{'z' if c.get('COUNTER') == 'zeros' else ''}" if c.get("ROWS") else ""
+            p += " pf" if c.get("PREFETCH") else ""
             print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']}{p}: "
                   f"{s.get('us', float('nan')):.2f} us ({s.get('time_over_floor', float('nan')):.2f}x) "
                   f"{s.get('error', '')[:60]}")

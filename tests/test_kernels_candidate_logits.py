@@ -70,8 +70,9 @@ def test_matches_float64_ref(M, Kc, Dm, V, dtype):
 
 
 @cpu_only
-@pytest.mark.parametrize("cfg", [dict(BLOCK_K=2, BLOCK_D=32), dict(BLOCK_K=16, BLOCK_D=16), dict(BLOCK_K=128, BLOCK_D=64)],
-                         ids=["K2-D32", "K16-D16", "K128-D64"])
+@pytest.mark.parametrize("cfg", [dict(BLOCK_K=2, BLOCK_D=32), dict(BLOCK_K=16, BLOCK_D=16), dict(BLOCK_K=128, BLOCK_D=64),
+                                 dict(BLOCK_K=4, BLOCK_D=32, PREFETCH=True), dict(BLOCK_K=64, BLOCK_D=64, PREFETCH=True)],
+                         ids=["K2-D32", "K16-D16", "K128-D64", "K4-D32-prefetch", "K64-D64-prefetch-fused"])
 def test_block_sizes_and_dm_remainder(cfg):
     hidden, weight, cand = make_inputs(5, 37, 75, 200, torch.float32, pad_frac=0.1)
     cand[3] = -1                                                          # an all-pad row
@@ -170,8 +171,9 @@ def test_gpu_bf16(M, Kc):
                                  dict(BLOCK_K=4, BLOCK_D=1024, num_stages=3, PERSIST=4, FLAT=True),
                                  dict(BLOCK_K=8, BLOCK_D=1024, num_stages=4, PERSIST=2, FLAT=True),
                                  dict(BLOCK_K=8, BLOCK_D=1024, num_stages=3, ROWS=4),
+                                 dict(BLOCK_K=4, BLOCK_D=2048, num_stages=1, PREFETCH=True),
                                  dict(BLOCK_K=4, BLOCK_D=2048, num_stages=3, ROWS=2, COUNTER="zeros")],
-                         ids=["nested", "flat", "flat-8x1024", "rows", "rows-zeros"])
+                         ids=["nested", "flat", "flat-8x1024", "rows", "prefetch", "rows-zeros"])
 def test_gpu_bf16_persistent(cfg):
     M, Kc = 65, 512
     hidden, weight, cand = make_inputs(M, Kc, 5120, 32000, torch.bfloat16, pad_frac=0.05, device="cuda")

@@ -33,8 +33,10 @@ def candidate_logits_fwd_kernel(
     hidden, weight, cand, bias, inv_t, logits, logprobs, lse,
     s_hm, s_wv, s_cm, s_bm, Kc, Dm, V, inv_t_scalar,
     HAS_BIAS: tl.constexpr, INV_T_PER_ROW: tl.constexpr, FUSED: tl.constexpr, STORE_LSE: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
+    """PREFETCH: the next hidden block's loads are issued before this block's products (two tiles in
+    registers), so a program keeps twice the bytes in flight (its loads are not staged through shared memory)."""
     i_m, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_k = o_k < Kc
@@ -42,12 +44,23 @@ def candidate_logits_fwd_kernel(
     valid = m_k & (ids >= 0) & (ids < V)
     p_w = weight + tl.where(valid, ids, 0)[:, None] * s_wv  # [BK, 1] row starts
     acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, Dm, BLOCK_D):
-        o_d = d0 + tl.arange(0, BLOCK_D)
-        m_d = o_d < Dm
-        b_h = tl.load(hidden + i_m * s_hm + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
-        b_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)  # [BK, BD]
-        acc += b_w.to(tl.float32) * b_h[None, :]
+    if PREFETCH:
+        o_d = tl.arange(0, BLOCK_D)
+        n_h = tl.load(hidden + i_m * s_hm + o_d, mask=o_d < Dm, other=0.0)                     # [BD]
+        n_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & (o_d < Dm)[None, :], other=0.0)  # [BK, BD]
+        for d0 in range(0, Dm, BLOCK_D):
+            b_h, b_w = n_h, n_w
+            o_d = d0 + BLOCK_D + tl.arange(0, BLOCK_D)        # the next block (all masked after the last)
+            n_h = tl.load(hidden + i_m * s_hm + o_d, mask=o_d < Dm, other=0.0)
+            n_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & (o_d < Dm)[None, :], other=0.0)
+            acc += b_w.to(tl.float32) * b_h.to(tl.float32)[None, :]
+    else:
+        for d0 in range(0, Dm, BLOCK_D):
+            o_d = d0 + tl.arange(0, BLOCK_D)
+            m_d = o_d < Dm
+            b_h = tl.load(hidden + i_m * s_hm + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+            b_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)  # [BK, BD]
+            acc += b_w.to(tl.float32) * b_h[None, :]
     b_l = _tile_logits(acc, i_m, o_k, m_k, valid, bias, inv_t, logits, s_bm, Kc, inv_t_scalar,
                        HAS_BIAS, INV_T_PER_ROW)
     if FUSED:
@@ -281,7 +294,7 @@ def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse
     else:
         candidate_logits_fwd_kernel[(M, n_kb)](
             hidden, weight, cand, bias, inv_t, logits, logprobs, lse, *common,
-            FUSED=n_kb == 1, STORE_LSE=return_lse, **launch)
+            FUSED=n_kb == 1, STORE_LSE=return_lse, PREFETCH=cfg.get("PREFETCH", False), **launch)
     if n_kb > 1:
         candidate_log_softmax_kernel[(M,)](
             logits, cand, logprobs, lse, cand.stride(0), Kc, V,

@@ -19,20 +19,13 @@ from kernels.candidate_logits.triton import candidate_logits, candidate_logits_f
 from tfm_runtime.io import atomic_write_json
 
 PEAK_BW = 4.8e12
-# Tuning sweep: launch configurations (BLOCK_K, BLOCK_D, num_warps, num_stages[, PERSIST programs per SM, FLAT]),
-# timed on a few cases only.
+# Tuning sweep: launch configurations (BLOCK_K, BLOCK_D, num_warps, num_stages) or dicts of pick_config keys,
+# timed on a few cases only. Session 9 also timed a persistent logits pass and a one-launch pass whose last
+# program per row does the log-softmax (git eb897a8, 2b0c12d; both slower, removed; see the results file).
 SWEEP = [(32, 256, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (16, 256, 4, 4), (32, 256, 8, 4),
          (8, 512, 4, 4),
          # session 8: around the default 4 x 2048 (hidden 5120 is 2.5 blocks of 2048: 1024 divides it)
          (4, 1024, 4, 3), (4, 2048, 4, 2), (4, 2048, 4, 4), (4, 2048, 8, 3), (2, 2048, 4, 3), (2, 4096, 4, 3),
-         # session 9: the persistent logits pass (no last wave draining alone), nested or flat loops
-         (4, 2048, 4, 3, 3, False), (4, 2048, 4, 3, 4, False), (4, 2048, 4, 3, 6, False),
-         (4, 1024, 4, 3, 4, True), (4, 1024, 4, 4, 4, True), (4, 1024, 4, 3, 6, True),
-         (8, 1024, 4, 3, 2, True), (8, 1024, 4, 3, 4, True), (8, 512, 4, 4, 4, True), (2, 1024, 4, 4, 8, True),
-         # session 9: one launch, each row's last program does its log-softmax (ROWS: programs per SM)
-         dict(ROWS=4), dict(ROWS=4, num_stages=4), dict(ROWS=3), dict(ROWS=5), dict(ROWS=4, COUNTER="zeros"),
-         dict(ROWS=4, BLOCK_K=4, BLOCK_D=1024), dict(ROWS=4, BLOCK_K=16, BLOCK_D=512),
-         dict(ROWS=4, BLOCK_K=8, BLOCK_D=512, num_stages=4), dict(ROWS=3, BLOCK_K=4, BLOCK_D=2048),
          # session 9: the next hidden block's loads issued before this block's products
          dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=2048), dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=1024),
          dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=1024), dict(PREFETCH=True, BLOCK_K=2, BLOCK_D=2048),
@@ -45,7 +38,7 @@ def sweep_config(entry: tuple | dict) -> dict:
     """A SWEEP entry as a launch configuration; dict entries override 8 x 1024 tiles, 4 warps, 3 stages."""
     if isinstance(entry, dict):
         return dict(dict(BLOCK_K=8, BLOCK_D=1024, num_warps=4, num_stages=3), **entry)
-    return dict(zip(("BLOCK_K", "BLOCK_D", "num_warps", "num_stages", "PERSIST", "FLAT"), entry))
+    return dict(zip(("BLOCK_K", "BLOCK_D", "num_warps", "num_stages"), entry))
 
 
 def make_sets(M, Kc, Dm, V, dtype, dev, gen, copies):
@@ -148,9 +141,7 @@ def main():
               f"{r['logprobs_max_abs_err']:>8.1e}")
         for s in r.get("sweep", []):
             c = s["config"]
-            p = f" P{c['PERSIST']}{'f' if c.get('FLAT') else 'n'}" if c.get("PERSIST") else ""
-            p += f" R{c['ROWS']}{'z' if c.get('COUNTER') == 'zeros' else ''}" if c.get("ROWS") else ""
-            p += " pf" if c.get("PREFETCH") else ""
+            p = " pf" if c.get("PREFETCH") else ""
             print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']}{p}: "
                   f"{s.get('us', float('nan')):.2f} us ({s.get('time_over_floor', float('nan')):.2f}x) "
                   f"{s.get('error', '')[:60]}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session for the Triton kernels: GPU tests of the three kernel test files, the GDN tree
-# benchmark, and the tree-attention benchmark at its default configurations. Everything goes to
-# $OUT (default ./out); a short table is printed last. Budget: about 7 minutes on an H200.
+# benchmark, the tree-attention benchmark at its default configurations and the candidate-logits
+# benchmark. Everything goes to $OUT (default ./out); a short table is printed last. Budget: about
+# 9 minutes on an H200.
 #
 #   OUT=out TFM_GIT_REV=$(git rev-parse HEAD) bash benchmarks/run_kernel_gpu_session.sh
 #   KERNELS="gdn_tree" ...     # only these kernels' tests (and phase 3 only with tree_attention)
@@ -11,7 +12,7 @@
 # results included). Phase 2 and 3 time on an otherwise idle GPU.
 set -u
 OUT=${OUT:-out}
-L=/tmp/kernel_logs  # per-process logs; $OUT gets at most 6 files
+L=/tmp/kernel_logs  # per-process logs; $OUT gets at most 8 files
 mkdir -p "$OUT" $L
 T0=$(date +%s)
 left() { echo $((T0 + $1 - $(date +%s))); }
@@ -50,6 +51,13 @@ timeout $(left 455) python3 benchmarks/bench_tree_attention.py --no-sweep \
 rc=$?; echo "phase 3 done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt";;
 esac
 
+# phase 4: candidate logits, all cases, and the sweep from SWEEP[$CL_SWEEP_FROM] (default: session 9's entries)
+case " $KERNELS " in *" candidate_logits "*)
+timeout $(left 560) python3 benchmarks/bench_candidate_logits.py --sweep-from ${CL_SWEEP_FROM:-13} \
+  --out "$OUT/candidate_logits_h200.json" >"$OUT/bench_cl.log" 2>&1
+rc=$?; echo "phase 4 done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt";;
+esac
+
 for t in $KERNELS; do
   echo "== test_kernels_$t: $(grep -E 'passed|failed|error' $L/test_$t.log | tail -1) $(tail -1 $L/test_$t.log)"
 done
@@ -57,4 +65,5 @@ grep -hE "^(FAILED|ERROR)" $L/test_*.log | head -20
 tail -3 $L/warm.log
 sed -n '/^correctness:/,$p' "$OUT/bench_gdn.log"
 [ -f "$OUT/bench_ta.log" ] && sed -n '/^ *L  *n  *triton/,$p' "$OUT/bench_ta.log"
+[ -f "$OUT/bench_cl.log" ] && sed -n '/^ *M  *Kc/,$p' "$OUT/bench_cl.log" | grep -v sweep
 grep phase "$OUT/session.txt"

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..launch import pdl_supported
 from .prep import state_dot, state_split, tree_gdn_prep_kernel
-from .tree import MAX_NODES, rooted_at_node0, tree_ancestor_bits
+from .tree import MAX_NODES, check_parents, tree_ancestor_bits
 
 
 class GDNTreeStash(NamedTuple):
@@ -186,9 +186,15 @@ def _config(N):
     the padded columns are at most 64 anyway), 9% faster at 96 (34.4 vs 38.0 us), 8% at 112 and 129.
     The split prep: 15% slower at 65, 3% at 96, faster from 112 (40.3 vs 42.2 us) to 129 (49.3 vs
     58.9, with 64-column dots), where the one-launch prep's 165-register programs take 3.5 waves.
+    Warps (session 8): a 2-warp solve is faster from 64 nodes (n=64 20.9 vs 22.3 us, 65 22.6 vs 23.5,
+    129 44.1 vs 46.0; at HV=48 the 4-warp programs stall on each other: alone, 24.6 vs 28.6 us at 129),
+    slower at 16 and 32 (11.4 vs 10.7, 15.1 vs 14.4); 2-warp tiles of the split prep: 129 42.0 vs 44.1,
+    2-warp prep programs in one launch: 16 9.95 vs 10.1, 32 12.8 vs 13.5, 64 20.0 vs 20.6, 65 equal.
+    Diagonal inverses substituted over 8-node blocks and merged by dots (inv_base=8): 129 40.6 vs 41.1,
+    65 21.4 vs 22.1, 64 19.6 vs 20.6, 32 13.0 vs 13.5, 16 equal; over 4-node blocks in between.
     """
-    return dict(block_t=16, block_v=16, num_warps=4, block_c=32, prefetch=True, prep_maxnreg=0,
-                prep_split=N > 96, solve_kc=64)
+    return dict(block_t=16, block_v=16, num_warps=2 if N > 48 else 4, block_c=32, prefetch=True,
+                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2, diag_warps=4, inv_base=8)
 
 
 def root_folded(single_root, N: int, BT: int) -> int:
@@ -200,7 +206,8 @@ def root_folded(single_root, N: int, BT: int) -> int:
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
-                    prefetch=None, solve_kc=None, prep_warps=None, prep_maxnreg=None, prep_split=None,
+                    prefetch=None, solve_kc=None, prep_warps=None, diag_warps=None, inv_base=None, prep_maxnreg=None,
+                    prep_split=None,
                     pdl=None, single_root=None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
@@ -228,8 +235,13 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             128 (n > 80 with 16-node blocks; 2 per SM).
         prefetch: the solve reads the next block's q/k/v rows while the current block waits on
             its earlier V' (tuning).
-        prep_warps, prep_maxnreg: tuning of the prep launch (warps; register cap, 0 for none,
+        prep_warps, diag_warps, prep_maxnreg: tuning of the prep launch (warps, with `prep_split` the
+            diagonal launch's own; register cap, 0 for none,
             which trades a few spills for more programs per SM).
+        inv_base: the diagonal blocks' inverses (I + A_tt)^{-1} by forward substitution over
+            blocks of this many nodes, merged up to block_t by doublings of dots (in tf32x3 where
+            `precision` is tf32): 16 (15 serial steps for 16-node blocks), 8 (default: 7 steps and
+            two dots), 4 (3 steps and four dots).
         prep_split: run the prep as two launches, the diagonal programs (which store G and the
             inverse norms) and then the off-diagonal tiles, which read them back instead of
             re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,
@@ -245,7 +257,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             instead of 5 and 9). None (default): read off `parent` where `check` validates it
             on the host anyway, else False. True is validated when `check` is on.
         stages: which launches run (benchmarks time the prep and the solve apart; a subset
-            leaves the outputs undefined).
+            leaves the outputs undefined): "prep" (both prep launches), "solve", and with
+            `prep_split` "diag" or "tiles" for one of the two prep launches.
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
             must not be software-pipelined.
     Returns:
@@ -272,13 +285,13 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         raise ValueError("state_pool must be contiguous (it is indexed by slot, head and layout)")
     if N > MAX_NODES or K > 256:
         raise ValueError(f"supports N <= {MAX_NODES} and K <= 256, got N={N}, K={K}")
-    if single_root is None:
-        single_root = bool(check and parent is not None and anc is None and rooted_at_node0(parent, num_nodes))
-    elif single_root and check and parent is not None and anc is None and not rooted_at_node0(parent, num_nodes):
-        raise ValueError("single_root=True, but a real node other than node 0 has parent -1 (node 0 must be "
-                         "an ancestor of every node)")
     if anc is None:
-        anc = tree_ancestor_bits(parent, num_nodes, check=check)
+        rooted = check_parents(parent, num_nodes) if check else None      # one host read for both
+        if single_root and rooted is False:
+            raise ValueError("single_root=True, but a real node other than node 0 has parent -1 (node 0 must "
+                             "be an ancestor of every node)")
+        single_root = bool(rooted) if single_root is None else single_root
+        anc = tree_ancestor_bits(parent, num_nodes, check=False)
     elif tuple(anc.shape) != (B, N, triton.cdiv(N, 32)):
         raise ValueError(f"expected anc [B, N, ceil(N/32)] = {(B, N, triton.cdiv(N, 32))}, "
                          f"got {tuple(anc.shape)}")
@@ -295,6 +308,10 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                          f"gdc_wait/launch_pdl (not under TRITON_INTERPRET), got {v.device} and Triton "
                          f"{triton.__version__}")
     prep_maxnreg = dflt["prep_maxnreg"] if prep_maxnreg is None else prep_maxnreg
+    inv_base = inv_base or dflt["inv_base"]
+    prep_warps, diag_warps = prep_warps or dflt["prep_warps"], diag_warps or dflt["diag_warps"]
+    if inv_base not in (4, 8, 16):
+        raise ValueError(f"inv_base must be 4, 8 or 16, got {inv_base}")
     if BT not in (16, 32, 64):
         raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")
     for name, x in (("block_c", BC), ("solve_kc", solve_kc)):
@@ -318,17 +335,19 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     # off-diagonal tiles: block t has cdiv(t BT, BC) of BC columns
     NT = sum(triton.cdiv(t * BT, BC) for t in range(1, NB))
     launch = {"launch_pdl": True} if pdl else {}
-    if "prep" in stages:
+    if {"prep", "diag", "tiles"} & set(stages):
         extra = dict({"maxnreg": prep_maxnreg} if prep_maxnreg else {}, **launch)
         # one launch of NB diagonal + NT tile programs, or (prep_split) the diagonal programs,
         # then the tiles reading the G and norms they stored
         parts = [(1, NB), (2, NT)] if prep_split else [(0, NB + NT)]
         for part, programs in parts:
-            if programs:
+            if programs and ("prep" in stages or {1: "diag", 2: "tiles"}.get(part) in stages):
                 tree_gdn_prep_kernel[(programs, B * HV)](
                     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
-                    DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, num_warps=prep_warps or 4,
+                    DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, INV_BASE=inv_base,
+                    INV_PREC="tf32x3" if precision == "tf32" and inv_base < BT else precision,
+                    num_warps=diag_warps if part == 1 else prep_warps,
                     **extra)
     if "solve" in stages:
         tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](

@@ -44,10 +44,14 @@ def profile(fn, q, iters=3):
 # tiles, 4 warps, 3 stages, chosen by session 7's sweeps over 32 x 256 and 16 x 512)
 HIDDEN_GRAD_SWEEP = [{}, dict(block_c=32, block_d=256), dict(block_c=8, block_d=512), dict(block_c=16, block_d=1024),
                      dict(block_c=8, block_d=1024), dict(warps=8, block_c=16, block_d=1024), dict(stages=4),
-                     dict(stages=2), dict(warps=2), dict(block_c=32, block_d=512)]
+                     dict(stages=2), dict(warps=2), dict(block_c=32, block_d=512),
+                     # session 9: the next block's rows loaded before this block's products
+                     dict(prefetch=True), dict(prefetch=True, block_c=4), dict(prefetch=True, block_d=256),
+                     dict(prefetch=True, block_c=4, block_d=1024), dict(prefetch=True, block_c=16, block_d=256),
+                     dict(prefetch=True, block_c=2, block_d=1024)]
 
 
-def hidden_grad_sweep(weight, cand, iters):
+def hidden_grad_sweep(weight, cand, iters, sweep=HIDDEN_GRAD_SWEEP):
     """Milliseconds of candidate_hidden_grad alone (CUDA events, median) per HIDDEN_GRAD_SWEEP entry, with the
     largest deviation from the default's output."""
     import statistics
@@ -56,7 +60,7 @@ def hidden_grad_sweep(weight, cand, iters):
     dl = torch.randn(cand.shape, device=cand.device) * 1e-3
     want = candidate_hidden_grad(dl, weight, cand, 1.0, torch.bfloat16)
     out = []
-    for tuning in HIDDEN_GRAD_SWEEP:
+    for tuning in sweep:
         ts = []
         for i in range(iters + 2):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -76,6 +80,7 @@ def main():
     ap.add_argument("--rows", type=int, default=1024, help="anchor rows (each 15 depths x 512 candidates)")
     ap.add_argument("--groups", type=int, nargs="+", default=[4, 8], help="anchor rows per group")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--sweep-from", type=int, default=0, help="with --hidden-grad: HIDDEN_GRAD_SWEEP[i:] only")
     ap.add_argument("--hidden-grad", action="store_true",
                     help="only time the gather backward kernel (candidate_hidden_grad) over HIDDEN_GRAD_SWEEP")
     ap.add_argument("--out", required=True)
@@ -89,7 +94,7 @@ def main():
     bias = torch.randn(M, K, generator=g, device=dev)
     res = dict(meta=dict(env_info(), rows=args.rows, L=L, K=K, vocab=V, hidden=D), gather={}, grouped=[])
     if args.hidden_grad:
-        res["hidden_grad"] = hidden_grad_sweep(weight, cand, args.iters)
+        res["hidden_grad"] = hidden_grad_sweep(weight, cand, args.iters, [{}] + HIDDEN_GRAD_SWEEP[max(1, args.sweep_from):])
         atomic_write_json(args.out, res)
         return
 

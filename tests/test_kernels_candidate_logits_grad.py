@@ -35,7 +35,8 @@ def test_grads_match_float64(M, Kc, Dm, V, dtype, inv_t, pad):
 
 
 @cpu_only
-@pytest.mark.parametrize("tuning", [dict(block_c=2, block_d=64, warps=2), dict(block_c=4, block_d=128)], ids=["c2", "c4"])
+@pytest.mark.parametrize("tuning", [dict(block_c=2, block_d=64, warps=2), dict(block_c=4, block_d=128),
+                                    dict(block_c=4, block_d=32, prefetch=True)], ids=["c2", "c4", "c4-prefetch"])
 def test_hidden_grad_launch_variants_match_default(tuning):
     from kernels.candidate_logits.grad import candidate_hidden_grad
     hidden, weight, cand, bias, w = inputs(5, 37, 300, 80, torch.float32, 0.2)

@@ -20,26 +20,45 @@ from .triton import candidate_logits
 @triton.jit
 def candidate_hidden_grad_kernel(
     dlogits, weight, cand, dhidden, s_wv, s_cm, Kc, Dm, V, inv_t,
-    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     """dhidden[m, d-block] = inv_t * sum_c dlogits[m, c] * weight[cand[m, c], d-block].
 
     Grid (M, cdiv(Dm, BLOCK_D)). dlogits: fp32 [M, Kc]; weight: [Vocab, Dm]; cand: int [M, Kc]
-    (pads < 0 or >= Vocab are skipped); dhidden: [M, Dm].
+    (pads < 0 or >= Vocab are skipped); dhidden: [M, Dm]. PREFETCH: the next candidate block's rows are
+    loaded before this block's products, and the ids one block further ahead, so no load waits on another.
     """
     i_m, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < Dm
     acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
-    for c0 in range(0, Kc, BLOCK_C):
-        o_c = c0 + tl.arange(0, BLOCK_C)
-        m_c = o_c < Kc
-        ids = tl.load(cand + i_m * s_cm + o_c, mask=m_c, other=-1).to(tl.int64)
-        valid = m_c & (ids >= 0) & (ids < V)
-        b_g = tl.load(dlogits + i_m * Kc + o_c, mask=valid, other=0.0)                      # [BC]
-        b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
+    if PREFETCH:
+        o_c = tl.arange(0, BLOCK_C)
+        ids = tl.load(cand + i_m * s_cm + o_c, mask=o_c < Kc, other=-1).to(tl.int64)
+        valid = (o_c < Kc) & (ids >= 0) & (ids < V)
+        n_g = tl.load(dlogits + i_m * Kc + o_c, mask=valid, other=0.0)                      # [BC]
+        n_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
                       mask=valid[:, None] & m_d[None, :], other=0.0)                       # [BC, BD]
-        acc += b_w.to(tl.float32) * b_g[:, None]
+        ids = tl.load(cand + i_m * s_cm + o_c + BLOCK_C, mask=o_c + BLOCK_C < Kc, other=-1).to(tl.int64)
+        for c0 in range(0, Kc, BLOCK_C):
+            b_g, b_w = n_g, n_w
+            o_c = c0 + BLOCK_C + tl.arange(0, BLOCK_C)          # the next block (all masked after the last)
+            valid = (o_c < Kc) & (ids >= 0) & (ids < V)
+            n_g = tl.load(dlogits + i_m * Kc + o_c, mask=valid, other=0.0)
+            n_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
+                          mask=valid[:, None] & m_d[None, :], other=0.0)
+            ids = tl.load(cand + i_m * s_cm + o_c + BLOCK_C, mask=o_c + BLOCK_C < Kc, other=-1).to(tl.int64)
+            acc += b_w.to(tl.float32) * b_g[:, None]
+    else:
+        for c0 in range(0, Kc, BLOCK_C):
+            o_c = c0 + tl.arange(0, BLOCK_C)
+            m_c = o_c < Kc
+            ids = tl.load(cand + i_m * s_cm + o_c, mask=m_c, other=-1).to(tl.int64)
+            valid = m_c & (ids >= 0) & (ids < V)
+            b_g = tl.load(dlogits + i_m * Kc + o_c, mask=valid, other=0.0)                      # [BC]
+            b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
+                          mask=valid[:, None] & m_d[None, :], other=0.0)                       # [BC, BD]
+            acc += b_w.to(tl.float32) * b_g[:, None]
     b_dh = tl.sum(acc, 0) * inv_t
     tl.store(dhidden + i_m * Dm + o_d, b_dh.to(dhidden.dtype.element_ty), mask=m_d)
 
@@ -47,7 +66,7 @@ def candidate_hidden_grad_kernel(
 def candidate_hidden_grad(dlogits: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor, inv_t: float,
                           out_dtype: torch.dtype, tuning: dict | None = None) -> torch.Tensor:
     """dlogits fp32 [M, Kc], weight [Vocab, Dm], cand int [M, Kc] -> dhidden [M, Dm] in out_dtype.
-    `tuning` (benchmarks) overrides block_c, block_d, warps, stages. Default: 8 candidates x 512 columns per step;
+    `tuning` (benchmarks) overrides block_c, block_d, warps, stages, prefetch. Default: 8 candidates x 512 columns per step;
     H200, 15360 x 512 replayed candidates, hidden 5120 (benchmarks/results/grouped_scoring_h200.json,
     session7_hidden_grad_sweeps): 10.0 ms against 10.5 for 16 x 512 and 12.6 for 32 x 256."""
     M, Kc = dlogits.shape
@@ -56,10 +75,11 @@ def candidate_hidden_grad(dlogits: torch.Tensor, weight: torch.Tensor, cand: tor
     if M == 0:
         return dhidden
     cfg = {"block_d": min(512, max(16, triton.next_power_of_2(Dm))), "block_c": min(8, max(2, triton.next_power_of_2(Kc))),
-           "warps": 4, "stages": 3, **(tuning or {})}
+           "warps": 4, "stages": 3, "prefetch": False, **(tuning or {})}
     candidate_hidden_grad_kernel[(M, triton.cdiv(Dm, cfg["block_d"]))](
         dlogits, weight, cand, dhidden, weight.stride(0), cand.stride(0), Kc, Dm, weight.shape[0], float(inv_t),
-        BLOCK_C=cfg["block_c"], BLOCK_D=cfg["block_d"], num_warps=cfg["warps"], num_stages=cfg["stages"])
+        BLOCK_C=cfg["block_c"], BLOCK_D=cfg["block_d"], PREFETCH=cfg["prefetch"], num_warps=cfg["warps"],
+        num_stages=cfg["stages"])
     return dhidden
 
 

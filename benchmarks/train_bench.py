@@ -209,6 +209,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--step-scoring", choices=["gather", "grouped"], default="gather",
                     help="candidate scoring inside the training step: per-candidate gathers, or grouped "
                          "(--score-group rows per group; the train config's score_group_rows)")
+    ap.add_argument("--score-tuning", help='with --step-scoring grouped: launch overrides as JSON, e.g. {"bwd_prefetch": true}')
     ap.add_argument("--compile", action="store_true", help="torch.compile the objective's forward (as the train config's compile: auto does on GPU)")
     ap.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                     default="default", help="torch.compile mode with --compile (reduce-overhead: CUDA graphs for the "
@@ -257,6 +258,7 @@ def main(argv=None) -> dict:
     obj = WeaverObjective(initial_weaver(wcfg, 0), embed, lm_head, kind=args.loss, weights=depth_weights(p["L"], None))
     if args.step_scoring == "grouped":
         obj.weaver.candidate_group_rows = args.score_group
+        obj.weaver.candidate_group_tuning = json.loads(args.score_tuning) if args.score_tuning else None
     if args.compile:
         obj.forward = torch.compile(obj.forward, mode=args.compile_mode)
     opt = make_optimizer(list(obj.parameters()), lr=3e-4, weight_decay=0.01, grad_clip=1.0,      # as the trainer
@@ -321,7 +323,8 @@ def main(argv=None) -> dict:
     result = {"preset": args.preset, "weaver_params": sum(q.numel() for q in obj.weaver.parameters()),
               "world_size": world, "global_batch": args.global_batch, "micro_batch_per_rank": micro,
               "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32", "candidate_scores": scores,
-              "candidates": args.candidates, "step_scoring": args.step_scoring, "compiled": args.compile,
+              "candidates": args.candidates, "step_scoring": args.step_scoring, "score_tuning": args.score_tuning,
+              "compiled": args.compile,
               "compile_mode": args.compile_mode if args.compile else None,
               "median_step_s": step_s, "samples_per_s": args.global_batch / step_s,
               "achieved_tflops": flops, "matmul_peak_tflops_per_gpu": peak, "mfu": flops / (peak * world),

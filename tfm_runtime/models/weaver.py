@@ -110,6 +110,8 @@ class Weaver(nn.Module):
     # > 0: training scores groups of this many rows (x L depths) over their distinct LM-head rows
     # (kernels/candidate_logits/grouped.py, experimental); 0: one gather per (row, depth, candidate)
     candidate_group_rows: int = 0
+    # launch overrides of the grouped scoring (grouped._config keys; benchmarks)
+    candidate_group_tuning: dict | None = None
 
     def __init__(self, cfg: WeaverConfig):
         super().__init__()
@@ -180,7 +182,8 @@ class Weaver(nn.Module):
             if self.candidate_group_rows > 0 and cand_ids.dim() >= 3:
                 from kernels.candidate_logits.grouped import grouped_candidate_log_probs
                 group = self.candidate_group_rows * cand_ids.shape[-2]                   # rows x L queries
-                logq = grouped_candidate_log_probs(hid, lm_head_weight, cand, group, bias=bias.float())
+                logq = grouped_candidate_log_probs(hid, lm_head_weight, cand, group, bias=bias.float(),
+                                                   tuning=self.candidate_group_tuning)
             else:
                 logq = candidate_log_probs(hid, lm_head_weight, cand, bias=bias.float())  # [M, K] fp32
             return logq.view(cand_ids.shape)

@@ -209,7 +209,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--step-scoring", choices=["gather", "grouped"], default="gather",
                     help="candidate scoring inside the training step: per-candidate gathers, or grouped "
                          "(--score-group rows per group; the train config's score_group_rows)")
-    ap.add_argument("--score-tuning", help='with --step-scoring grouped: launch overrides as JSON, e.g. {"bwd_prefetch": true}')
+    ap.add_argument("--score-tuning", help='with --step-scoring grouped: launch overrides as JSON, e.g. {"bwd_gather_tuning": {"prefetch": true}}')
     ap.add_argument("--compile", action="store_true", help="torch.compile the objective's forward (as the train config's compile: auto does on GPU)")
     ap.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                     default="default", help="torch.compile mode with --compile (reduce-overhead: CUDA graphs for the "

@@ -27,7 +27,7 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason
     # the next union block's ids read ahead in the backward; the backward through the gather kernel
     (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(bwd_bu=16, bwd_ids_ahead=True)),
     (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, dict(bwd_gather=True)),
-    (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, dict(bwd_gather=True, bwd_prefetch=True)),
+    (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, dict(bwd_gather=True, bwd_gather_tuning=dict(prefetch=True, block_c=4))),
 ])
 def test_grouped_matches_float64(M, Kc, Dm, V, group, dtype, inv_t, pad, chunk, tuning):
     hidden, weight, cand, bias, w = inputs(M, Kc, Dm, V, dtype, pad, out_of_range_frac=pad / 2)

@@ -139,7 +139,7 @@ def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     """Launch parameters: GQ (query rows padded to a power of 2 >= 16), the union and hidden blocks of the
     forward (fwd_bu, fwd_bd) and of the backward (bwd_bu, bwd_bd), warps and pipeline stages, bwd_ids_ahead
     (see `grouped_hidden_grad_kernel`) and bwd_gather: the backward through the per-candidate gather kernel
-    (`candidate_hidden_grad`) instead of the union, bwd_prefetch: that kernel's prefetch option. Default: blocks of up to 64 (128 for the backward's hidden),
+    (`candidate_hidden_grad`) instead of the union, bwd_gather_tuning: that kernel's own overrides (a dict). Default: blocks of up to 64 (128 for the backward's hidden),
     8 warps from 64 query rows up, and the gather backward. H200, Qwen3.6-27B head, 1024 rows x 15 x 512
     replayed candidates, forward + backward (benchmarks/results/grouped_scoring_h200.json): 4 rows per group
     22.8 ms with the gather backward, 23.9 with the union's (ids ahead; 31.7 without), gather kernels 25.5.
@@ -147,7 +147,7 @@ def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     GQ = max(16, triton.next_power_of_2(group))
     BU, BD = min(64, max(16, triton.next_power_of_2(U))), min(64, max(16, triton.next_power_of_2(Dm)))
     cfg = dict(GQ=GQ, fwd_bu=BU, fwd_bd=BD, bwd_bu=BU, bwd_bd=min(128, 2 * BD), warps=8 if GQ >= 64 else 4,
-               stages=3, bwd_ids_ahead=True, bwd_gather=True, bwd_prefetch=False)
+               stages=3, bwd_ids_ahead=True, bwd_gather=True, bwd_gather_tuning=None)
     unknown = set(tuning or {}) - (set(cfg) - {"GQ"})
     if unknown:
         raise ValueError(f"unknown tuning keys {sorted(unknown)}; expected some of {sorted(set(cfg) - {'GQ'})}")
@@ -208,7 +208,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
         if ctx.needs_input_grad[0] and ctx.cfg["bwd_gather"]:
             inv_t = 1.0 if ctx.inv_t is None else ctx.inv_t
             dhidden = candidate_hidden_grad(dlogits.contiguous(), weight, cand, inv_t, ctx.hidden_dtype,
-                                            dict(prefetch=ctx.cfg["bwd_prefetch"]))
+                                            ctx.cfg["bwd_gather_tuning"])
         elif ctx.needs_input_grad[0]:
             cfg, group, chunk = ctx.cfg, ctx.group, ctx.chunk
             GQ = cfg["GQ"]

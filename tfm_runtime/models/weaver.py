@@ -110,7 +110,7 @@ class Weaver(nn.Module):
     # > 0: training scores groups of this many rows (x L depths) over their distinct LM-head rows
     # (kernels/candidate_logits/grouped.py, experimental); 0: one gather per (row, depth, candidate)
     candidate_group_rows: int = 0
-    # launch overrides of the grouped scoring (grouped._config keys; benchmarks)
+    # launch overrides of the grouped scoring (keys of kernels/candidate_logits/grouped.py's _config; benchmarks)
     candidate_group_tuning: dict | None = None
 
     def __init__(self, cfg: WeaverConfig):

@@ -57,7 +57,8 @@ CONFIGS = [dict(zip(KEYS, c)) for c in [
 def default_config(n):
     """What `tree_gdn_verify` runs by default for n nodes on this device, for a tree rooted at node 0
     (every tree here, and every verify tree of a decoder, which passes single_root=True)."""
-    return dict(_config(n), pdl=pdl_supported(torch.device("cuda")), single_root=True)
+    cfg = _config(n)
+    return dict(cfg, pdl=cfg["pdl"] and pdl_supported(torch.device("cuda")), single_root=True)
 
 
 def configs_for(n, quick=False):
@@ -78,7 +79,10 @@ def configs_for(n, quick=False):
         if d["prep_split"]:
             out += [dict(d, diag_warps=2), dict(d, solve_kc=32)]
         return [c for i, c in enumerate(out) if c not in out[:i]]
-    return [dict(c, single_root=True) for c in CONFIGS if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
+    # the default first: the budget may stop the sweep, never the default
+    out = [default_config(n)] + [dict(c, single_root=True) for c in CONFIGS
+                                 if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
+    return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
 @triton.jit

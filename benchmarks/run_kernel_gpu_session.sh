@@ -28,7 +28,7 @@ for t in $KERNELS; do
   n=2; extra=""
   # the GDN kernels also inside the decoder: q/k/v come from the kernels before them (PDL ordering)
   [ $t = gdn_tree ] && n=6 && extra=tests/test_engine_gdn_triton.py
-  (timeout 200 python3 -m pytest -q -p no:cacheprovider -n $n "tests/test_kernels_$t.py" $extra \
+  (timeout 280 python3 -m pytest -q -p no:cacheprovider -n $n "tests/test_kernels_$t.py" $extra \
      >$L/test_$t.log 2>&1; echo "exit=$?" >>$L/test_$t.log) &
 done
 wait
@@ -39,21 +39,21 @@ done >"$OUT/tests.log"
 echo "phase 1 done at $(( $(date +%s) - T0 ))s" | tee -a "$OUT/session.txt"
 
 # phase 2: GDN benchmark (optional timings and checks stop at its budget)
-B=$(left 355)
+B=$(left 420)
 timeout $((B + 35)) python3 benchmarks/bench_gdn_tree.py --out "$OUT/gdn_tree_h200.json" \
   --budget-s $B >"$OUT/bench_gdn.log" 2>&1
 rc=$?; echo "phase 2 (budget ${B}s) done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt"
 
 # phase 3: tree attention, default configurations on all cases
 case " $KERNELS " in *" tree_attention "*)
-timeout $(left 455) python3 benchmarks/bench_tree_attention.py --no-sweep \
+timeout $(left 510) python3 benchmarks/bench_tree_attention.py --no-sweep \
   --out "$OUT/tree_attention_h200.json" >"$OUT/bench_ta.log" 2>&1
 rc=$?; echo "phase 3 done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt";;
 esac
 
 # phase 4: candidate logits, all cases, and the sweep from SWEEP[$CL_SWEEP_FROM] (default: session 9's entries)
 case " $KERNELS " in *" candidate_logits "*)
-timeout $(left 560) python3 benchmarks/bench_candidate_logits.py --sweep-from ${CL_SWEEP_FROM:-13} \
+timeout $(left 585) python3 benchmarks/bench_candidate_logits.py --sweep-from ${CL_SWEEP_FROM:-13} \
   --out "$OUT/candidate_logits_h200.json" >"$OUT/bench_cl.log" 2>&1
 rc=$?; echo "phase 4 done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt";;
 esac

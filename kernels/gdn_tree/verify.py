@@ -192,9 +192,13 @@ def _config(N):
     2-warp prep programs in one launch: 16 9.95 vs 10.1, 32 12.8 vs 13.5, 64 20.0 vs 20.6, 65 equal.
     Diagonal inverses substituted over 8-node blocks and merged by dots (inv_base=8): 129 40.6 vs 41.1,
     65 21.4 vs 22.1, 64 19.6 vs 20.6, 32 13.0 vs 13.5, 16 equal; over 4-node blocks in between.
+    PDL (pdl: whether it is wanted where the device supports it): off with the split prep, n > 96. At
+    n=129 with these defaults a plain launch was faster in 7 of 8 timed pairs over four H200s (sessions
+    8-9; by 0.2-0.8 us, once 0.1 us slower), on everywhere else (n=64/65: 1.0-2.1 us faster with it).
     """
     return dict(block_t=16, block_v=16, num_warps=2 if N > 48 else 4, block_c=32, prefetch=True,
-                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2, diag_warps=4, inv_base=8)
+                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2, diag_warps=4, inv_base=8,
+                pdl=N <= 96)
 
 
 def root_folded(single_root, N: int, BT: int) -> int:
@@ -247,9 +251,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,
             one more launch). Default: on for N > 96.
         pdl: launch the solve with programmatic dependent launch, so that it starts (reads S0
-            and its first rows) while the prep runs. Default: on CUDA devices of compute
-            capability >= 9 (Hopper) with a Triton that supports it, off elsewhere and under
-            TRITON_INTERPRET.
+            and its first rows) while the prep runs. Default: up to 96 nodes on CUDA devices of
+            compute capability >= 9 (Hopper) with a Triton that supports it; off with the split
+            prep (N > 96: measured slower there), elsewhere and under TRITON_INTERPRET.
         single_root: node 0 is an ancestor of every real node of every request (a tree rooted at
             node 0, as a decoder's verify trees are). Then when N = 1 (mod block_t), the solve
             folds node 0 into the state first (a rank-1 update of each state tile) and the
@@ -302,7 +306,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
     prep_split = dflt["prep_split"] if prep_split is None else prep_split
     solve_kc = dflt["solve_kc"] if solve_kc is None else solve_kc
-    pdl = pdl_supported(v.device) if pdl is None else bool(pdl)
+    pdl = (dflt["pdl"] and pdl_supported(v.device)) if pdl is None else bool(pdl)
     if pdl and not pdl_supported(v.device):
         raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9 and a Triton with "
                          f"gdc_wait/launch_pdl (not under TRITON_INTERPRET), got {v.device} and Triton "

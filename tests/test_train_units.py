@@ -218,10 +218,10 @@ def test_clipped_adamw_matches_clip_grad_norm_then_adamw():
             assert torch.allclose(x, y, rtol=1e-6, atol=1e-7), max_norm
     with pytest.raises(ValueError, match="one parameter group"):
         ClippedAdamW([{"params": a[:1]}, {"params": a[1:]}], max_norm=1.0, partitioned=True)
-    assert owns_clipping(2) and not any(owns_clipping(s) for s in (0, 1, 3))
+    assert owns_clipping(1) and owns_clipping(2) and not any(owns_clipping(s) for s in (0, 3))
     assert isinstance(make_optimizer(a, lr=1e-3, weight_decay=0.0, grad_clip=1.0, zero_stage=2,
                                      device=torch.device("cpu")), ClippedAdamW)
-    for stage in (2, 3):       # DeepSpeed clips (and computes the norm) only where the optimizer does not
+    for stage in (0, 1, 2, 3):  # DeepSpeed clips (and computes the norm) only where the optimizer does not
         ds = TrainConfig.from_dict({"data": ["x"], "output_dir": "y", "zero_stage": stage}).deepspeed_config(1, True)
-        assert (ds["gradient_clipping"] == 0.0) == (stage == 2)
-        assert ds["zero_optimization"].get("compute_grad_norm", True) == (stage != 2)
+        assert (ds["gradient_clipping"] == 0.0) == (stage in (1, 2))
+        assert ds["zero_optimization"].get("compute_grad_norm", True) == (stage not in (1, 2))

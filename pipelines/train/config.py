@@ -116,7 +116,7 @@ class TrainConfig:
         return {"train_micro_batch_size_per_gpu": self.micro_batch,
                 "gradient_accumulation_steps": self.grad_accum,
                 "train_batch_size": self.micro_batch * self.grad_accum * world_size,
-                # ZeRO 2: the optimizer clips on the device (pipelines/train/optim.py; DeepSpeed's clipping reads
+                # ZeRO 1/2: the optimizer clips on the device (pipelines/train/optim.py; DeepSpeed's clipping reads
                 # the norm back twice a step), so DeepSpeed neither clips nor computes the norm, and accepts the
                 # AdamW subclass
                 "gradient_clipping": 0.0 if own else self.grad_clip,

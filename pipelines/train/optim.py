@@ -2,7 +2,7 @@
 
 DeepSpeed's ZeRO 1/2 clipping reads the gradient norm back to the host (a scalar built on the host and a
 validity check, two syncs per step), so the host cannot queue the next step while the GPU finishes this one.
-Under ZeRO stage 2 the trainer turns DeepSpeed's clipping and norm off and `ClippedAdamW` clips instead, with
+Under ZeRO stages 1 and 2 the trainer turns DeepSpeed's clipping and norm off and `ClippedAdamW` clips instead, with
 the same rule (scale the gradients by min(1, max_norm / (norm + 1e-6))), entirely on the device. DeepSpeed hands
 it its rank's partition of the flat fp32 gradients, so the squared norms are summed across ranks.
 """
@@ -39,8 +39,9 @@ class ClippedAdamW(torch.optim.AdamW):
 
 
 def owns_clipping(zero_stage: int) -> bool:
-    """Whether `make_optimizer`'s optimizer clips (ZeRO stage 2) rather than DeepSpeed (stages 0, 1, 3)."""
-    return zero_stage == 2
+    """Whether `make_optimizer`'s optimizer clips (ZeRO stages 1 and 2, where DeepSpeed hands the optimizer each
+    rank's partition of the flat fp32 gradients and can skip its own norm) rather than DeepSpeed (stages 0, 3)."""
+    return zero_stage in (1, 2)
 
 
 def make_optimizer(params, *, lr: float, weight_decay: float, grad_clip: float, zero_stage: int,

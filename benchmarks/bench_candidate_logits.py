@@ -30,7 +30,8 @@ SWEEP = [(32, 256, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (16
          dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=2048), dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=1024),
          dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=1024), dict(PREFETCH=True, BLOCK_K=2, BLOCK_D=2048),
          dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=512), dict(PREFETCH=True, BLOCK_K=16, BLOCK_D=256),
-         dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=2048, num_warps=8), dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=1024, num_warps=8),
+         dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=2048, num_warps=8),
+         dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=1024, num_warps=8),
          dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=512), dict(PREFETCH=True, BLOCK_K=2, BLOCK_D=1024)]
 
 

@@ -94,7 +94,8 @@ def main():
     bias = torch.randn(M, K, generator=g, device=dev)
     res = dict(meta=dict(env_info(), rows=args.rows, L=L, K=K, vocab=V, hidden=D), gather={}, grouped=[])
     if args.hidden_grad:
-        res["hidden_grad"] = hidden_grad_sweep(weight, cand, args.iters, [{}] + HIDDEN_GRAD_SWEEP[max(1, args.sweep_from):])
+        sweep = [{}] + HIDDEN_GRAD_SWEEP[max(1, args.sweep_from):]            # the default always first
+        res["hidden_grad"] = hidden_grad_sweep(weight, cand, args.iters, sweep)
         atomic_write_json(args.out, res)
         return
 

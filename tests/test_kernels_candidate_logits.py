@@ -70,8 +70,9 @@ def test_matches_float64_ref(M, Kc, Dm, V, dtype):
 
 
 @cpu_only
-@pytest.mark.parametrize("cfg", [dict(BLOCK_K=2, BLOCK_D=32), dict(BLOCK_K=16, BLOCK_D=16), dict(BLOCK_K=128, BLOCK_D=64),
-                                 dict(BLOCK_K=4, BLOCK_D=32, PREFETCH=True), dict(BLOCK_K=64, BLOCK_D=64, PREFETCH=True)],
+@pytest.mark.parametrize("cfg", [dict(BLOCK_K=2, BLOCK_D=32), dict(BLOCK_K=16, BLOCK_D=16),
+                                 dict(BLOCK_K=128, BLOCK_D=64), dict(BLOCK_K=4, BLOCK_D=32, PREFETCH=True),
+                                 dict(BLOCK_K=64, BLOCK_D=64, PREFETCH=True)],
                          ids=["K2-D32", "K16-D16", "K128-D64", "K4-D32-prefetch", "K64-D64-prefetch-fused"])
 def test_block_sizes_and_dm_remainder(cfg):
     hidden, weight, cand = make_inputs(5, 37, 75, 200, torch.float32, pad_frac=0.1)
@@ -143,8 +144,9 @@ def test_gpu_bf16(M, Kc):
 
 
 @gpu_only
-@pytest.mark.parametrize("cfg", [dict(BLOCK_K=4, BLOCK_D=1024, PREFETCH=True), dict(BLOCK_K=8, BLOCK_D=512, PREFETCH=True),
-                                 dict(BLOCK_K=4, BLOCK_D=2048, PREFETCH=False)], ids=["K4-D1024-pf", "K8-D512-pf", "K4-D2048"])
+@pytest.mark.parametrize("cfg", [dict(BLOCK_K=4, BLOCK_D=1024, PREFETCH=True),
+                                 dict(BLOCK_K=8, BLOCK_D=512, PREFETCH=True), dict(BLOCK_K=4, BLOCK_D=2048)],
+                         ids=["K4-D1024-pf", "K8-D512-pf", "K4-D2048"])
 @pytest.mark.parametrize("M", [16, 65])
 def test_gpu_bf16_prefetch(cfg, M):
     # hidden 5000 is not a multiple of the blocks: the prefetched block past the end is fully masked

@@ -66,9 +66,11 @@ def candidate_hidden_grad_kernel(
 def candidate_hidden_grad(dlogits: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor, inv_t: float,
                           out_dtype: torch.dtype, tuning: dict | None = None) -> torch.Tensor:
     """dlogits fp32 [M, Kc], weight [Vocab, Dm], cand int [M, Kc] -> dhidden [M, Dm] in out_dtype.
-    `tuning` (benchmarks) overrides block_c, block_d, warps, stages, prefetch. Default: 8 candidates x 512 columns per step;
-    H200, 15360 x 512 replayed candidates, hidden 5120 (benchmarks/results/grouped_scoring_h200.json,
-    session7_hidden_grad_sweeps): 10.0 ms against 10.5 for 16 x 512 and 12.6 for 32 x 256."""
+    `tuning` (benchmarks) overrides block_c, block_d, warps, stages, prefetch. Default: 8 candidates x 512 columns
+    per step, no prefetch. H200, 15360 x 512 replayed candidates, hidden 5120
+    (benchmarks/results/grouped_scoring_h200.json): 10.0 ms against 10.5 for 16 x 512 and 12.6 for 32 x 256
+    (session7_hidden_grad_sweeps); with prefetch, 2 x 1024 tiles 9.40 ms alone against 9.89, but no faster inside
+    the training step (session9_hidden_grad_prefetch)."""
     M, Kc = dlogits.shape
     Dm = weight.shape[1]
     dhidden = torch.empty(M, Dm, dtype=out_dtype, device=dlogits.device)

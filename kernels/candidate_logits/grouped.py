@@ -139,8 +139,9 @@ def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     """Launch parameters: GQ (query rows padded to a power of 2 >= 16), the union and hidden blocks of the
     forward (fwd_bu, fwd_bd) and of the backward (bwd_bu, bwd_bd), warps and pipeline stages, bwd_ids_ahead
     (see `grouped_hidden_grad_kernel`) and bwd_gather: the backward through the per-candidate gather kernel
-    (`candidate_hidden_grad`) instead of the union, bwd_gather_tuning: that kernel's own overrides (a dict). Default: blocks of up to 64 (128 for the backward's hidden),
-    8 warps from 64 query rows up, and the gather backward. H200, Qwen3.6-27B head, 1024 rows x 15 x 512
+    (`candidate_hidden_grad`) instead of the union, bwd_gather_tuning: that kernel's own overrides (a dict).
+    Default: blocks of up to 64 (128 for the backward's hidden), 8 warps from 64 query rows up, and the gather
+    backward. H200, Qwen3.6-27B head, 1024 rows x 15 x 512
     replayed candidates, forward + backward (benchmarks/results/grouped_scoring_h200.json): 4 rows per group
     22.8 ms with the gather backward, 23.9 with the union's (ids ahead; 31.7 without), gather kernels 25.5.
     `tuning` overrides any of them (benchmarks)."""

@@ -65,7 +65,8 @@ def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
     prep, the root fold (single_root), the warps of the solve or of the prep, or the inverse's
     substitution blocks toggled (and, with the split prep, 2-warp diagonal programs or 32-column solve
-    dots). Session 8 also timed 128-column solve dots (slower from 64 nodes, equal below), a 1- or
+    dots), and the prep split after G and the norms (prep_split=2) with PDL toggled or 4 warps.
+    Session 8 also timed 128-column solve dots (slower from 64 nodes, equal below), a 1- or
     8-warp solve, 32-wide V tiles and 64-column prep tiles at 129 nodes (all slower)."""
     if quick:
         d = default_config(n)
@@ -78,6 +79,11 @@ def configs_for(n, quick=False):
                 dict(d, inv_base=16 if d["inv_base"] != 16 else 8)]
         if d["prep_split"]:
             out += [dict(d, diag_warps=2), dict(d, solve_kc=32)]
+        # G and the norms first, then the diagonal programs beside the tiles (session 10)
+        s2 = dict(d, prep_split=2)
+        out += [s2, dict(s2, pdl=not s2["pdl"]), dict(s2, prep_warps=4)]
+        if not pdl_supported(torch.device("cuda")):
+            out = [c for c in out if not c["pdl"]]
         return [c for i, c in enumerate(out) if c not in out[:i]]
     # the default first: the budget may stop the sweep, never the default
     out = [default_config(n)] + [dict(c, single_root=True) for c in CONFIGS

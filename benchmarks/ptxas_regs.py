@@ -2,7 +2,8 @@
 
     python benchmarks/ptxas_regs.py prep:16:32:3:4 solve:16:16:4:1:64 [--maxnreg 128] [--pdl]
 
-prep:BT:BC:NW:warps[:part] (part 0: one launch, 1: diagonal programs, 2: tiles of a split prep)
+prep:BT:BC:NW:warps[:part] (part 0: one launch, 1: diagonal programs, 2: tiles of a split prep, 3: G and
+the norms alone, 4: diagonal programs and tiles reading them back; the inverse over 8-node blocks)
 and solve:BT:BV:warps:prefetch:KC (Qwen3.6-27B shapes: K = V = 128, bf16 q/k/v,
 GV = 3). Triton lowers to PTX for the target without a driver; the ptxas shipped with Triton
 reports registers and spill bytes (`-v`), which decide how many programs fit on an SM.
@@ -60,7 +61,7 @@ def main():
         v = [int(x) for x in v]
         if kind == "prep" and len(v) in (4, 5):
             c = dict(NW=v[2], BT=v[0], BK=128, BC=v[1], USE_L2NORM=True, DOT_PREC="tf32", PDL=args.pdl,
-                     PART=v[4] if len(v) == 5 else 0, ROOT=int(args.root))
+                     PART=v[4] if len(v) == 5 else 0, ROOT=int(args.root), INV_BASE=8, INV_PREC="tf32x3")
             print(spec, ptxas_report(tree_gdn_prep_kernel, c, v[3], args.maxnreg), flush=True)
         elif kind == "solve" and len(v) == 5:
             c = dict(BT=v[0], BK=128, BV=v[1], KC=v[4], STATE_V_FIRST=False, DOT_PREC="tf32",

@@ -246,10 +246,12 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             blocks of this many nodes, merged up to block_t by doublings of dots (in tf32x3 where
             `precision` is tf32): 16 (15 serial steps for 16-node blocks), 8 (default: 7 steps and
             two dots), 4 (3 steps and four dots).
-        prep_split: run the prep as two launches, the diagonal programs (which store G and the
-            inverse norms) and then the off-diagonal tiles, which read them back instead of
-            re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,
-            one more launch). Default: on for N > 96.
+        prep_split: run the prep as two launches: 1 (or True), the diagonal programs (which store
+            G and the inverse norms) and then the off-diagonal tiles, which read them back instead
+            of re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,
+            one more launch); 2, a short launch that stores G and the norms, then the diagonal
+            programs and the tiles side by side, both reading them back. 0 (or False): one
+            launch. Default: 1 for N > 96, else 0.
         pdl: launch the solve with programmatic dependent launch, so that it starts (reads S0
             and its first rows) while the prep runs. Default: up to 96 nodes on CUDA devices of
             compute capability >= 9 (Hopper) with a Triton that supports it; off with the split
@@ -262,7 +264,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             on the host anyway, else False. True is validated when `check` is on.
         stages: which launches run (benchmarks time the prep and the solve apart; a subset
             leaves the outputs undefined): "prep" (both prep launches), "solve", and with
-            `prep_split` "diag" or "tiles" for one of the two prep launches.
+            `prep_split` 1 "diag" or "tiles", with 2 "scalars" or "blocks", for one of the two
+            prep launches.
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
             must not be software-pipelined.
     Returns:
@@ -304,7 +307,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     BT, BV = block_t or dflt["block_t"], block_v or dflt["block_v"]
     nw, BC = num_warps or dflt["num_warps"], block_c or dflt["block_c"]
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
-    prep_split = dflt["prep_split"] if prep_split is None else prep_split
+    prep_split = int(dflt["prep_split"] if prep_split is None else prep_split)
+    if prep_split not in (0, 1, 2):
+        raise ValueError(f"prep_split must be False/0, True/1 or 2, got {prep_split}")
     solve_kc = dflt["solve_kc"] if solve_kc is None else solve_kc
     pdl = (dflt["pdl"] and pdl_supported(v.device)) if pdl is None else bool(pdl)
     if pdl and not pdl_supported(v.device):
@@ -341,11 +346,13 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     launch = {"launch_pdl": True} if pdl else {}
     if {"prep", "diag", "tiles"} & set(stages):
         extra = dict({"maxnreg": prep_maxnreg} if prep_maxnreg else {}, **launch)
-        # one launch of NB diagonal + NT tile programs, or (prep_split) the diagonal programs,
-        # then the tiles reading the G and norms they stored
-        parts = [(1, NB), (2, NT)] if prep_split else [(0, NB + NT)]
+        # one launch of NB diagonal + NT tile programs; or (prep_split 1) the diagonal programs,
+        # then the tiles reading the G and norms they stored; or (2) G and the norms alone, then
+        # the diagonal programs and the tiles together, both reading them back
+        parts = {0: [(0, NB + NT)], 1: [(1, NB), (2, NT)], 2: [(3, NB), (4, NB + NT)]}[prep_split]
+        names = {1: "diag", 2: "tiles", 3: "scalars", 4: "blocks"}
         for part, programs in parts:
-            if programs and ("prep" in stages or {1: "diag", 2: "tiles"}.get(part) in stages):
+            if programs and ("prep" in stages or names.get(part) in stages):
                 tree_gdn_prep_kernel[(programs, B * HV)](
                     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,

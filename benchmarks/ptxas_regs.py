@@ -55,6 +55,7 @@ def main():
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap (prep launches)")
     ap.add_argument("--pdl", action="store_true", help="with programmatic dependent launch")
     ap.add_argument("--root", action="store_true", help="with the root fold (single_root)")
+    ap.add_argument("--w-early", action="store_true", help="the solve reads W_t at the top of each block")
     args = ap.parse_args()
     for spec in args.specs:
         kind, *v = spec.split(":")
@@ -65,7 +66,8 @@ def main():
             print(spec, ptxas_report(tree_gdn_prep_kernel, c, v[3], args.maxnreg), flush=True)
         elif kind == "solve" and len(v) == 5:
             c = dict(BT=v[0], BK=128, BV=v[1], KC=v[4], STATE_V_FIRST=False, DOT_PREC="tf32",
-                     PREFETCH=bool(v[3]), PDL=args.pdl, ROOT=int(args.root), USE_L2NORM=True)
+                     PREFETCH=bool(v[3]), PDL=args.pdl, ROOT=int(args.root), USE_L2NORM=True,
+                     W_EARLY=args.w_early)
             print(spec, ptxas_report(tree_gdn_solve_kernel, c, v[2], num_stages=1), flush=True)  # as launched
         else:
             sys.exit(f"expected prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:prefetch:KC, got {spec!r}")

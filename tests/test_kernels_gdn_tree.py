@@ -139,6 +139,10 @@ VERIFY_CASES = [
     (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": 2}),
     (3, 33, [33, 9, 1], 2, 4, 16, 16, "random", torch.float32, {"single_root": True, "pad_request": 2,
                                                                "prep_split": 2}),
+    # W_t read at the top of each solve block
+    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "w_early": True}),
+    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "w_early": True,
+                                                               "prefetch": False}),
 ]
 
 
@@ -163,7 +167,7 @@ def run_verify(case, seed=0):
                                precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
                                prefetch=extra.get("prefetch", True), prep_split=extra.get("prep_split"),
                                solve_kc=extra.get("solve_kc"), single_root=extra.get("single_root"),
-                               inv_base=extra.get("inv_base"))
+                               inv_base=extra.get("inv_base"), w_early=extra.get("w_early"))
     assert torch.equal(dpool, before), "verify wrote the committed state"
     if extra.get("nan_padding"):
         for b, n in enumerate(ns):  # the float64 reference reads nothing past n either
@@ -347,6 +351,7 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
                                         (129, "spine", (32, 64, 8)), (129, "spine", (64, 64, 8)),
                                         (65, "eagle", "split"), (129, "spine", "split"),
                                         (65, "eagle", "split2"), (129, "spine", "split2"),
+                                        (65, "eagle", "w_early"), (129, "spine", "w_early"),
                                         (65, "eagle", "root"), (129, "spine", "root"),
                                         (65, "eagle", "inv4"), (129, "spine", "inv4")])
 def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
@@ -359,7 +364,7 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     split, root, inv4 = {"split": 1, "split2": 2}.get(cfg, 0), cfg == "root", cfg == "inv4"
     bt, bv, nw = (None, None, None) if isinstance(cfg, str) or cfg is None else cfg
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split,
-                               single_root=root, inv_base=4 if inv4 else None)
+                               single_root=root, inv_base=4 if inv4 else None, w_early=cfg == "w_early")
     ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)

@@ -93,7 +93,7 @@ def tree_gdn_solve_kernel(
     q, k, v, g, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, scale, N, H, HV, K, V, NB,
     NPAD, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    ROOT: tl.constexpr, USE_L2NORM: tl.constexpr,
+    ROOT: tl.constexpr, USE_L2NORM: tl.constexpr, W_EARLY: tl.constexpr,
 ):
     """ROOT = 1: node 0 is every node's ancestor; it is folded into the state tile first
     (`fold_root`) and the blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..)."""
@@ -147,6 +147,10 @@ def tree_gdn_solve_kernel(
                                          V, o_k, o_v, m_v, BT)
             b_eG, b_rn = load_scales(G, RN, rows + BT, n, g0, i_b, i_hv, i_bh, N, HV, BT)
         p_blk = (i_bh * NB + i_t) * 2 * BT
+        if W_EARLY:
+            # [2BT, 2BT] W_t read with the AP tiles and the earlier V' (one round trip per block):
+            # read after the loop below, its load waits for the loop's dots
+            b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
         # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
         for i_c in range(0, tl.cdiv(i_t * BT, KC)):
             o_c = i_c * KC + tl.arange(0, KC)
@@ -158,7 +162,8 @@ def tree_gdn_solve_kernel(
                           mask=m_c[:, None] & m_v[None, :], other=0.)
             b_y -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
         # [2BT, 2BT] @ [2BT, BV] -> [V'_t ; O_t]
-        b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
+        if not W_EARLY:
+            b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
         b_z = tl.dot(b_w, b_y, input_precision=DOT_PREC)
         p_out = ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :]
         m_st = (rows < N)[:, None] & m_v[None, :]
@@ -198,7 +203,7 @@ def _config(N):
     """
     return dict(block_t=16, block_v=16, num_warps=2 if N > 48 else 4, block_c=32, prefetch=True,
                 prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2, diag_warps=4, inv_base=8,
-                pdl=N <= 96)
+                pdl=N <= 96, w_early=False)
 
 
 def root_folded(single_root, N: int, BT: int) -> int:
@@ -211,8 +216,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
                     prefetch=None, solve_kc=None, prep_warps=None, diag_warps=None, inv_base=None, prep_maxnreg=None,
-                    prep_split=None,
-                    pdl=None, single_root=None, stages=("prep", "solve")):
+                    prep_split=None, pdl=None, w_early=None, single_root=None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -256,6 +260,9 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             and its first rows) while the prep runs. Default: up to 96 nodes on CUDA devices of
             compute capability >= 9 (Hopper) with a Triton that supports it; off with the split
             prep (N > 96: measured slower there), elsewhere and under TRITON_INTERPRET.
+        w_early: the solve reads each block's W_t at the block's top, with its AP tiles and the
+            earlier V', instead of after the dots over earlier blocks (one memory round trip per
+            serial block instead of two; 16 more registers per thread at 2 warps).
         single_root: node 0 is an ancestor of every real node of every request (a tree rooted at
             node 0, as a decoder's verify trees are). Then when N = 1 (mod block_t), the solve
             folds node 0 into the state first (a rank-1 update of each state tile) and the
@@ -307,6 +314,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     BT, BV = block_t or dflt["block_t"], block_v or dflt["block_v"]
     nw, BC = num_warps or dflt["num_warps"], block_c or dflt["block_c"]
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
+    w_early = dflt["w_early"] if w_early is None else bool(w_early)
     prep_split = int(dflt["prep_split"] if prep_split is None else prep_split)
     if prep_split not in (0, 1, 2):
         raise ValueError(f"prep_split must be False/0, True/1 or 2, got {prep_split}")
@@ -365,5 +373,5 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             q, k, v, g, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, scale, N, H,
             HV, K, V, NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, solve_kc),
             STATE_V_FIRST=state_v_first, DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, ROOT=ROOT,
-            USE_L2NORM=use_qk_l2norm, num_warps=nw, num_stages=1, **launch)
+            USE_L2NORM=use_qk_l2norm, W_EARLY=w_early, num_warps=nw, num_stages=1, **launch)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

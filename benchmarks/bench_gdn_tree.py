@@ -65,8 +65,7 @@ def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
     prep, the root fold (single_root), the warps of the solve or of the prep, or the inverse's
     substitution blocks toggled (and, with the split prep, 2-warp diagonal programs or 32-column solve
-    dots), the prep split after G and the norms (prep_split=2) with PDL toggled or 4 warps, and W_t
-    read early in the solve (w_early) with the default, PDL toggled or prep_split=2.
+    dots), and W_t read early in the solve (w_early) toggled, with the default or PDL toggled.
     Session 8 also timed 128-column solve dots (slower from 64 nodes, equal below), a 1- or
     8-warp solve, 32-wide V tiles and 64-column prep tiles at 129 nodes (all slower)."""
     if quick:
@@ -80,11 +79,8 @@ def configs_for(n, quick=False):
                 dict(d, inv_base=16 if d["inv_base"] != 16 else 8)]
         if d["prep_split"]:
             out += [dict(d, diag_warps=2), dict(d, solve_kc=32)]
-        # G and the norms first, then the diagonal programs beside the tiles, and W_t read at the
-        # top of each solve block (session 10)
-        s2 = dict(d, prep_split=2)
-        out += [s2, dict(s2, pdl=not s2["pdl"]), dict(s2, prep_warps=4)]
-        out += [dict(c, w_early=not d["w_early"]) for c in (d, dict(d, pdl=not d["pdl"]), s2)]
+        # W_t read at the top of each solve block or after the dots over earlier blocks (session 10)
+        out += [dict(c, w_early=not d["w_early"]) for c in (d, dict(d, pdl=not d["pdl"]))]
         if not pdl_supported(torch.device("cuda")):
             out = [c for c in out if not c["pdl"]]
         return [c for i, c in enumerate(out) if c not in out[:i]]
@@ -325,6 +321,8 @@ def main():
     ap.add_argument("--n", type=int, nargs="*", default=[16, 32, 64, 65, 129])
     ap.add_argument("--eagle-n", type=int, nargs="*", default=[65, 129], help="also time EAGLE trees")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip optional timings past this")
+    ap.add_argument("--check-jobs", type=int, default=1,
+                    help="worker processes for the float64 correctness matrix (after the timings)")
     for flag in ("--skip-check", "--no-fla", "--warm"):
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--quick", action="store_true",
@@ -352,7 +350,7 @@ def main():
     # correctness after the timings, so that a time-out loses checks (also run by the GPU tests),
     # not timings
     if not args.skip_check:
-        res["correctness"] = correctness_matrix(args.warm, t_end)
+        res["correctness"] = correctness_matrix(args.warm, t_end, args.check_jobs)
         if not args.no_fla and not args.warm and time.time() < t_end:
             try:
                 fla_chain_check(res["correctness"])

@@ -123,21 +123,36 @@ def correctness_cases():
     return c
 
 
-def correctness_matrix(warm=False, t_end=float("inf")):
-    """Run `correctness_cases` (cases not started before `t_end` are recorded as skipped)."""
-    out = []
-    for c in correctness_cases():
-        if time.time() > t_end:
-            out.append(dict(name=c["name"], skipped="out of time"))
-            continue
-        try:
-            r = check_case(c, warm)
-        except Exception as e:  # keep going: one broken case must not hide the others
-            r = dict(name=c["name"], error=repr(e)[:400], **{"pass": False})
-        if not warm:
-            print(json.dumps(r), flush=True)
-        out.append(r)
-    return out
+def _checked(args):
+    """`check_case` that records an exception instead of raising (one broken case must not hide the
+    others), skipping cases not started before t_end; runs in a worker process when jobs > 1."""
+    c, warm, t_end, threads = args
+    if threads:
+        torch.set_num_threads(threads)
+    if time.time() > t_end:
+        return dict(name=c["name"], skipped="out of time")
+    try:
+        r = check_case(c, warm)
+    except Exception as e:  # noqa: BLE001
+        r = dict(name=c["name"], error=repr(e)[:400], **{"pass": False})
+    if not warm:
+        print(json.dumps(r), flush=True)
+    return r
+
+
+def correctness_matrix(warm=False, t_end=float("inf"), jobs=1):
+    """Run `correctness_cases` (cases not started before `t_end` are recorded as skipped).
+
+    jobs > 1: that many worker processes (spawned, each with its own CUDA context and a share of the
+    CPU threads), since each case's cost is its Triton compiles and the float64 host recurrence.
+    """
+    cases = correctness_cases()
+    if jobs <= 1:
+        return [_checked((c, warm, t_end, 0)) for c in cases]
+    import multiprocessing as mp
+    threads = max(1, (torch.get_num_threads() or 1) // jobs)
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        return pool.map(_checked, [(c, warm, t_end, threads) for c in cases], chunksize=1)
 
 
 def fla_chain_check(results, ns=(16, 65, 129)):

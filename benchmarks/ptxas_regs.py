@@ -2,8 +2,8 @@
 
     python benchmarks/ptxas_regs.py prep:16:32:3:4 solve:16:16:4:1:64 [--maxnreg 128] [--pdl]
 
-prep:BT:BC:NW:warps[:part] (part 0: one launch, 1: diagonal programs, 2: tiles of a split prep, 3: G and
-the norms alone, 4: diagonal programs and tiles reading them back; the inverse over 8-node blocks)
+prep:BT:BC:NW:warps[:part] (part 0: one launch, 1: diagonal programs, 2: tiles of a split prep; the
+diagonal inverse over 8-node blocks)
 and solve:BT:BV:warps:prefetch:KC (Qwen3.6-27B shapes: K = V = 128, bf16 q/k/v,
 GV = 3). Triton lowers to PTX for the target without a driver; the ptxas shipped with Triton
 reports registers and spill bytes (`-v`), which decide how many programs fit on an SM.

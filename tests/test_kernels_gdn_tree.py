@@ -94,16 +94,9 @@ VERIFY_CASES = [
     (3, 24, [24, 9, 5], 2, 4, 16, 16, "random", torch.float32, {"pad_request": 2, "prep_split": True}),
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"prenorm": True, "l2norm": False,
                                                           "prep_split": True}),
-    # the prep as G and the norms first, then the diagonals and the tiles side by side reading them
-    (2, 200, [200, 77], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64,
-                                                               "prep_split": 2}),
-    (3, 24, [24, 9, 5], 2, 4, 16, 16, "random", torch.float16, {"pad_request": 2, "prep_split": 2}),
-    (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"prenorm": True, "l2norm": False,
-                                                          "prep_split": 2}),
     # padding nodes full of NaN must not reach real nodes (prep loads are masked by N, not n)
     (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True}),
     (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True, "prep_split": True}),
-    (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True, "prep_split": 2}),
     (3, 24, [24, 9, 5], 2, 4, 16, 16, "random", torch.float32, {"pad_request": 2}),
     (2, 12, [12, 7], 2, 2, 20, 24, "random", torch.float32, {"v_first": True}),
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"gnorm": 0.01}),
@@ -136,12 +129,9 @@ VERIFY_CASES = [
     (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 64, "inv_base": 4}),
     (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": True,
                                                             "inv_base": 4}),
-    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": 2}),
-    (3, 33, [33, 9, 1], 2, 4, 16, 16, "random", torch.float32, {"single_root": True, "pad_request": 2,
-                                                               "prep_split": 2}),
-    # W_t read at the top of each solve block
-    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "w_early": True}),
-    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "w_early": True,
+    # W_t read after the dots over earlier blocks (the default reads it at the block's top)
+    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "w_early": False}),
+    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "w_early": False,
                                                                "prefetch": False}),
 ]
 
@@ -350,8 +340,7 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
                                         (129, "spine", None), (129, "spine", (16, 16, 4)),
                                         (129, "spine", (32, 64, 8)), (129, "spine", (64, 64, 8)),
                                         (65, "eagle", "split"), (129, "spine", "split"),
-                                        (65, "eagle", "split2"), (129, "spine", "split2"),
-                                        (65, "eagle", "w_early"), (129, "spine", "w_early"),
+                                        (65, "eagle", "w_late"), (129, "spine", "w_late"),
                                         (65, "eagle", "root"), (129, "spine", "root"),
                                         (65, "eagle", "inv4"), (129, "spine", "inv4")])
 def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
@@ -361,10 +350,10 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num, sidx)]
     dpool = pool.cuda()
-    split, root, inv4 = {"split": 1, "split2": 2}.get(cfg, 0), cfg == "root", cfg == "inv4"
+    split, root, inv4 = cfg == "split", cfg == "root", cfg == "inv4"
     bt, bv, nw = (None, None, None) if isinstance(cfg, str) or cfg is None else cfg
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split,
-                               single_root=root, inv_base=4 if inv4 else None, w_early=cfg == "w_early")
+                               single_root=root, inv_base=4 if inv4 else None, w_early=cfg != "w_late")
     ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)
@@ -374,30 +363,28 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
 @gpu_only
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs sm_90+")
-@pytest.mark.parametrize("n,single_root,split", [(16, False, None), (65, False, None), (129, False, None),
-                                                 (16, True, None), (65, True, None), (129, True, None),
-                                                 (65, True, 2), (129, True, 2)])
-def test_gpu_pdl_launch_matches_plain_launch(n, single_root, split):
+@pytest.mark.parametrize("n", [16, 65, 129])
+@pytest.mark.parametrize("single_root", [False, True])
+def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
     """The solve launched with PDL (it starts while the prep runs and waits on gdc_wait) gives
     bitwise the outputs and stash of the plain launch, eagerly and replayed in a CUDA graph."""
-    kw = {"prep_split": split} if split is not None else {}
     gen = torch.Generator().manual_seed(7 + n)
     parent, num = make_batch(1, n, [n], "eagle", gen)
     q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num)]
     dpool, dsidx = pool.cuda(), sidx.cuda()
     anc = tree_ancestor_bits(d[5], d[6])
-    plain, stash = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=False, single_root=single_root, **kw)
-    eager, stash_pdl = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root, **kw)
+    plain, stash = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=False, single_root=single_root)
+    eager, stash_pdl = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
     assert torch.equal(eager, plain) and torch.equal(stash_pdl.vnew, stash.vnew)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root, **kw)
+        tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed, _ = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root, **kw)
+        replayed, _ = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
     for _ in range(3):
         replayed.zero_()
         graph.replay()
@@ -406,17 +393,17 @@ def test_gpu_pdl_launch_matches_plain_launch(n, single_root, split):
     # q/k/v written by the kernels just before the verify (as in a model): every replay must see the new values
     src = [t.clone() for t in d[:3]]
     with torch.cuda.stream(s):
-        tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True, single_root=single_root, **kw)
+        tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True, single_root=single_root, **kw)
+        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
     for seed in range(3):
         gen2 = torch.Generator(device="cuda").manual_seed(seed)
         for x in src:
             x.copy_(torch.randn(x.shape, generator=gen2, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        want, _ = tree_gdn_verify(*src, *d[3:], dpool, dsidx, anc=anc, pdl=False, single_root=single_root, **kw)
+        want, _ = tree_gdn_verify(*src, *d[3:], dpool, dsidx, anc=anc, pdl=False, single_root=single_root)
         assert torch.equal(fresh, want)
     assert torch.equal(dpool.cpu(), pool), "verify wrote the committed state"

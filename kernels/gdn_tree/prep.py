@@ -220,46 +220,23 @@ def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_
 
 
 @triton.jit
-def store_row_scalars(G, RN, b_G, b_rk, b_rq, rows, m_r, m_N, i_b, i_hv, i_bh, N, HV):
-    """Store G and the inverse norms of a block's rows (zero past the node count m_r)."""
-    tl.store(G + (i_b * N + rows) * HV + i_hv, tl.where(m_r, b_G, 0.), mask=m_N)
-    tl.store(RN + i_bh * 2 * N + rows, tl.where(m_r, b_rk, 0.), mask=m_N)
-    tl.store(RN + (i_bh * 2 + 1) * N + rows, tl.where(m_r, b_rq, 0.), mask=m_N)
-
-
-@triton.jit
-def block_scalars(q, k, g, anc, n, G, RN, scale, i_b, i_h, i_hv, i_bh, rows, m_N, N, H, HV, K,
-                  NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
-    """G and the inverse q/k norms of block t's rows, stored for a later launch
-    (`prep_split=2`: the diagonal programs and the tiles then both read them back)."""
-    b_G = path_decay(g, anc, rows, m_N, i_b, i_hv, N, HV, NW, BT)
-    b_rk = inv_norm(k, rows, m_N, i_b, i_h, N, H, K, BK, USE_L2NORM)
-    b_rq = inv_norm(q, rows, m_N, i_b, i_h, N, H, K, BK, USE_L2NORM) * scale
-    store_row_scalars(G, RN, b_G, b_rk, b_rq, rows, rows < n, m_N, i_b, i_hv, i_bh, N, HV)
-
-
-@triton.jit
 def diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h, i_hv,
                    i_bh, rows, m_N, p_blk, N, H, HV, K, NW: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
-                   INV_BASE: tl.constexpr, INV_PREC: tl.constexpr, FROM_STASH: tl.constexpr):
-    """W = [[T, 0], [P_tt T, I]] of block t (T: INV_BASE-node blocks by forward substitution,
-    merged with dots of precision INV_PREC). G and the inverse norms are derived here and stored,
-    or (FROM_STASH) read back from what an earlier launch stored (`block_scalars`)."""
+                   INV_BASE: tl.constexpr, INV_PREC: tl.constexpr):
+    """G, the inverse norms and W = [[T, 0], [P_tt T, I]] of block t (T: INV_BASE-node blocks by forward
+    substitution, merged with dots of precision INV_PREC)."""
     o_i = tl.arange(0, BT)
-    m_r = rows < n
-    if FROM_STASH:
-        b_k = load_rows(k, rows, m_N, i_b, i_h, N, H, K, BK)
-        b_q = load_rows(q, rows, m_N, i_b, i_h, N, H, K, BK)
-        b_G, b_rk, b_rq, b_beta = stashed_row_terms(G, RN, beta, rows, m_N, i_b, i_hv, i_bh, N, HV)
-    else:
-        b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
-            q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
-            USE_L2NORM)
-        store_row_scalars(G, RN, b_G, b_rk, b_rq, rows, m_r, m_N, i_b, i_hv, i_bh, N, HV)
+    b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(
+        q, k, g, beta, anc, rows, m_N, i_b, i_h, i_hv, N, H, HV, K, scale, NW, BT, BK,
+        USE_L2NORM)
     b_on = anc_tile(anc, rows, rows, m_N, i_b, N, NW)
+    m_r = rows < n
     b_on = b_on & m_r[:, None]
     b_G = tl.where(m_r, b_G, 0.)
+    tl.store(G + (i_b * N + rows) * HV + i_hv, b_G, mask=m_N)
+    tl.store(RN + i_bh * 2 * N + rows, tl.where(m_r, b_rk, 0.), mask=m_N)
+    tl.store(RN + (i_bh * 2 + 1) * N + rows, tl.where(m_r, b_rq, 0.), mask=m_N)
     b_d = tl.exp(tl.where(b_on, b_G[:, None] - b_G[None, :], float('-inf')))
     b_a = tl.where(b_on & (o_i[:, None] > o_i[None, :]),
                    (b_beta * b_rk)[:, None] * b_d * gram(b_k, b_k, DOT_PREC) * b_rk[None, :], 0.)
@@ -293,9 +270,7 @@ def tree_gdn_prep_kernel(
     # programs 0 .. NB-1 are the diagonal blocks, the NT others the off-diagonal tiles (block t
     # has cdiv(t BT, BC) of them), so no program is empty. PART 0: all in one grid (NB + NT,
     # B * HV); PART 1: the diagonal programs alone (NB, B * HV); PART 2: the tiles alone
-    # (NT, B * HV), reading G and the norms that a PART 1 launch stored. PART 3: G and the norms
-    # alone (NB, B * HV); PART 4: the diagonal programs and the tiles (NB + NT, B * HV), both reading
-    # what a PART 3 launch stored.
+    # (NT, B * HV), reading G and the norms that a PART 1 launch stored.
     i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     if PART == 2:
         i_p += NB
@@ -315,18 +290,14 @@ def tree_gdn_prep_kernel(
     i_s = tl.load(state_idx + i_b)
     n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
     p_blk = (i_bh * NB + i_t) * 2 * BT
-    if PART == 3:
-        block_scalars(q, k, g, anc, n, G, RN, scale, i_b, i_h, i_hv, i_bh, rows, m_N, N, H, HV, K, NW,
-                      BT, BK, USE_L2NORM)
-    elif PART == 2 or (PART != 1 and i_p >= NB):
+    if PART == 2 or (PART == 0 and i_p >= NB):
         off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
                           rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
-                          DOT_PREC, PART >= 2, ROOT)
+                          DOT_PREC, PART == 2, ROOT)
     else:
         diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h,
                        i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC,
-                       INV_BASE, INV_PREC, PART == 4)
-    if ROOT and PART != 2 and PART != 4:
-        # block 0's program also stores G_0 = g_0 (for the commit)
-        b_g0 = tl.load(g + i_b * N * HV + i_hv).to(tl.float32)
-        tl.store(G + i_b * N * HV + i_hv, tl.where(n > 0, b_g0, 0.), mask=(i_t == 0) & (i_p < NB))
+                       INV_BASE, INV_PREC)
+        if ROOT:
+            b_g0 = tl.load(g + i_b * N * HV + i_hv).to(tl.float32)
+            tl.store(G + i_b * N * HV + i_hv, tl.where(n > 0, b_g0, 0.), mask=i_t == 0)

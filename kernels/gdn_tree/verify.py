@@ -200,10 +200,13 @@ def _config(N):
     PDL (pdl: whether it is wanted where the device supports it): off with the split prep, n > 96. At
     n=129 with these defaults a plain launch was faster in 7 of 8 timed pairs over four H200s (sessions
     8-9; by 0.2-0.8 us, once 0.1 us slower), on everywhere else (n=64/65: 1.0-2.1 us faster with it).
+    W_t read at the top of each solve block (w_early, session 10; before, the SASS issued its loads
+    after the dots over earlier blocks, a second round trip per block): n=129 37.9 vs 39.5 us (EAGLE
+    38.3 vs 40.0), n=65 20.8 vs 22.1.
     """
     return dict(block_t=16, block_v=16, num_warps=2 if N > 48 else 4, block_c=32, prefetch=True,
                 prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2, diag_warps=4, inv_base=8,
-                pdl=N <= 96, w_early=False)
+                pdl=N <= 96, w_early=True)
 
 
 def root_folded(single_root, N: int, BT: int) -> int:
@@ -250,19 +253,17 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             blocks of this many nodes, merged up to block_t by doublings of dots (in tf32x3 where
             `precision` is tf32): 16 (15 serial steps for 16-node blocks), 8 (default: 7 steps and
             two dots), 4 (3 steps and four dots).
-        prep_split: run the prep as two launches: 1 (or True), the diagonal programs (which store
-            G and the inverse norms) and then the off-diagonal tiles, which read them back instead
-            of re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,
-            one more launch); 2, a short launch that stores G and the norms, then the diagonal
-            programs and the tiles side by side, both reading them back. 0 (or False): one
-            launch. Default: 1 for N > 96, else 0.
+        prep_split: run the prep as two launches, the diagonal programs (which store G and the
+            inverse norms) and then the off-diagonal tiles, which read them back instead of
+            re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,
+            one more launch). Default: on for N > 96.
         pdl: launch the solve with programmatic dependent launch, so that it starts (reads S0
             and its first rows) while the prep runs. Default: up to 96 nodes on CUDA devices of
             compute capability >= 9 (Hopper) with a Triton that supports it; off with the split
             prep (N > 96: measured slower there), elsewhere and under TRITON_INTERPRET.
         w_early: the solve reads each block's W_t at the block's top, with its AP tiles and the
             earlier V', instead of after the dots over earlier blocks (one memory round trip per
-            serial block instead of two; 16 more registers per thread at 2 warps).
+            serial block instead of two). Default: True.
         single_root: node 0 is an ancestor of every real node of every request (a tree rooted at
             node 0, as a decoder's verify trees are). Then when N = 1 (mod block_t), the solve
             folds node 0 into the state first (a rank-1 update of each state tile) and the
@@ -271,8 +272,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             on the host anyway, else False. True is validated when `check` is on.
         stages: which launches run (benchmarks time the prep and the solve apart; a subset
             leaves the outputs undefined): "prep" (both prep launches), "solve", and with
-            `prep_split` 1 "diag" or "tiles", with 2 "scalars" or "blocks", for one of the two
-            prep launches.
+            `prep_split` "diag" or "tiles" for one of the two prep launches.
         num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
             must not be software-pipelined.
     Returns:
@@ -315,9 +315,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     nw, BC = num_warps or dflt["num_warps"], block_c or dflt["block_c"]
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
     w_early = dflt["w_early"] if w_early is None else bool(w_early)
-    prep_split = int(dflt["prep_split"] if prep_split is None else prep_split)
-    if prep_split not in (0, 1, 2):
-        raise ValueError(f"prep_split must be False/0, True/1 or 2, got {prep_split}")
+    prep_split = dflt["prep_split"] if prep_split is None else prep_split
     solve_kc = dflt["solve_kc"] if solve_kc is None else solve_kc
     pdl = (dflt["pdl"] and pdl_supported(v.device)) if pdl is None else bool(pdl)
     if pdl and not pdl_supported(v.device):
@@ -354,13 +352,11 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     launch = {"launch_pdl": True} if pdl else {}
     if {"prep", "diag", "tiles"} & set(stages):
         extra = dict({"maxnreg": prep_maxnreg} if prep_maxnreg else {}, **launch)
-        # one launch of NB diagonal + NT tile programs; or (prep_split 1) the diagonal programs,
-        # then the tiles reading the G and norms they stored; or (2) G and the norms alone, then
-        # the diagonal programs and the tiles together, both reading them back
-        parts = {0: [(0, NB + NT)], 1: [(1, NB), (2, NT)], 2: [(3, NB), (4, NB + NT)]}[prep_split]
-        names = {1: "diag", 2: "tiles", 3: "scalars", 4: "blocks"}
+        # one launch of NB diagonal + NT tile programs, or (prep_split) the diagonal programs,
+        # then the tiles reading the G and norms they stored
+        parts = [(1, NB), (2, NT)] if prep_split else [(0, NB + NT)]
         for part, programs in parts:
-            if programs and ("prep" in stages or names.get(part) in stages):
+            if programs and ("prep" in stages or {1: "diag", 2: "tiles"}.get(part) in stages):
                 tree_gdn_prep_kernel[(programs, B * HV)](
                     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,

@@ -223,7 +223,7 @@ def _config(N):
     """
     return dict(block_t=16, block_v=16, num_warps=2 if N > 48 else 4, block_c=32, prefetch=True,
                 prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2, diag_warps=4, inv_base=8,
-                pdl=N <= 96, w_early=True, fold_w=False)
+                pdl=N <= 96, w_early=True, fold_w=True)
 
 
 def root_folded(single_root, N: int, BT: int) -> int:
@@ -284,7 +284,8 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             serial block instead of two). Default: True.
         fold_w: (with `prep_split`) the tile launch, which runs after the diagonal programs, stores
             W_t AP_t instead of AP_t, so a solve block computes W_t Y0_t (no V' needed) while its
-            earlier V' loads and then needs one dot instead of two on the serial chain.
+            earlier V' loads and then needs one dot instead of two on the serial chain. Default: on
+            with the split prep.
         single_root: node 0 is an ancestor of every real node of every request (a tree rooted at
             node 0, as a decoder's verify trees are). Then when N = 1 (mod block_t), the solve
             folds node 0 into the state first (a rank-1 update of each state tile) and the

@@ -39,7 +39,7 @@ GOAL_SPEEDUP = {64: 5.0, 65: 5.0}
 # dependent launch
 KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "prep_split", "pdl", "solve_kc")
 # every keyword a timed configuration may set (the tuples of CONFIGS and the root fold)
-CFG_KEYS = KEYS + ("single_root", "prep_warps", "diag_warps", "inv_base", "w_early", "fold_w")
+CFG_KEYS = KEYS + ("single_root", "prep_warps", "diag_warps", "inv_base", "w_early")
 CONFIGS = [dict(zip(KEYS, c)) for c in [
     (16, 16, 4, 16, True, 0, False, True, 128), (16, 16, 4, 16, True, 128, False, True, 128),
     (16, 16, 4, 32, True, 0, False, True, 128), (16, 16, 4, 32, True, 0, False, False, 128),
@@ -65,8 +65,7 @@ def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
     prep, the root fold (single_root), the warps of the solve or of the prep, or the inverse's
     substitution blocks toggled (and, with the split prep, 2-warp diagonal programs or 32-column solve
-    dots), W_t read early in the solve (w_early) toggled, with the default or PDL toggled, and the
-    tiles stored times W_t (fold_w, with the split prep) toggled, with PDL or the prep's warps toggled.
+    dots), and W_t read early in the solve (w_early) toggled, with the default or PDL toggled.
     Session 8 also timed 128-column solve dots (slower from 64 nodes, equal below), a 1- or
     8-warp solve, 32-wide V tiles and 64-column prep tiles at 129 nodes (all slower)."""
     if quick:
@@ -82,9 +81,6 @@ def configs_for(n, quick=False):
             out += [dict(d, diag_warps=2), dict(d, solve_kc=32)]
         # W_t read at the top of each solve block or after the dots over earlier blocks (session 10)
         out += [dict(c, w_early=not d["w_early"]) for c in (d, dict(d, pdl=not d["pdl"]))]
-        # the tiles stored times W_t (with the split prep; session 10), with PDL toggled
-        f = dict(d, prep_split=True, fold_w=True) if not d["fold_w"] else dict(d, fold_w=False)
-        out += [f, dict(f, pdl=not f["pdl"]), dict(f, prep_warps=4)]
         if not pdl_supported(torch.device("cuda")):
             out = [c for c in out if not c["pdl"]]
         return [c for i, c in enumerate(out) if c not in out[:i]]
@@ -309,7 +305,7 @@ def print_table(res):
           [r["name"] for r in checked if not r["pass"]])
     print(f"{'n':>4} {'kind':>6} {'dep':>4} {'verify':>7} {'cfg':>16} {'prep+solve':>11} {'dflt':>7} {'relRMS':>8} "
           f"{'commit':>7} {'fla':>7} {'snap':>8} {'x':>5} {'floor':>6} {'anc':>6}")
-    for s in res["summary"]:
+    for s in res.get("summary", []):
         print(f"{s['n']:>4} {s['tree']:>6} {s['depth']:>4} {s['verify_us']:>7.2f} "
               f"{'/'.join(str(x)[0] if isinstance(x, bool) else str(x) for x in s['verify_config'].values()):>16} "
               f"{s['prep_us']:>5.1f}+{s['solve_us']:<5.1f} {s['verify_default_us'] or float('nan'):>7.2f} "

@@ -56,20 +56,18 @@ def main():
     ap.add_argument("--pdl", action="store_true", help="with programmatic dependent launch")
     ap.add_argument("--root", action="store_true", help="with the root fold (single_root)")
     ap.add_argument("--w-early", action="store_true", help="the solve reads W_t at the top of each block")
-    ap.add_argument("--fold-w", action="store_true", help="tiles stored times W_t (split prep), and the solve for them")
     args = ap.parse_args()
     for spec in args.specs:
         kind, *v = spec.split(":")
         v = [int(x) for x in v]
         if kind == "prep" and len(v) in (4, 5):
             c = dict(NW=v[2], BT=v[0], BK=128, BC=v[1], USE_L2NORM=True, DOT_PREC="tf32", PDL=args.pdl,
-                     PART=v[4] if len(v) == 5 else 0, ROOT=int(args.root), INV_BASE=8, INV_PREC="tf32x3",
-                     FOLD_W=args.fold_w)
+                     PART=v[4] if len(v) == 5 else 0, ROOT=int(args.root), INV_BASE=8, INV_PREC="tf32x3")
             print(spec, ptxas_report(tree_gdn_prep_kernel, c, v[3], args.maxnreg), flush=True)
         elif kind == "solve" and len(v) == 5:
             c = dict(BT=v[0], BK=128, BV=v[1], KC=v[4], STATE_V_FIRST=False, DOT_PREC="tf32",
                      PREFETCH=bool(v[3]), PDL=args.pdl, ROOT=int(args.root), USE_L2NORM=True,
-                     W_EARLY=args.w_early, FOLDED=args.fold_w)
+                     W_EARLY=args.w_early)
             print(spec, ptxas_report(tree_gdn_solve_kernel, c, v[2], num_stages=1), flush=True)  # as launched
         else:
             sys.exit(f"expected prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:prefetch:KC, got {spec!r}")

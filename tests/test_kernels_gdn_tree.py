@@ -90,14 +90,13 @@ VERIFY_CASES = [
     # the prep as two launches (diagonals, then tiles reading back G and the norms)
     (1, 70, [70], 2, 4, 16, 16, "random", torch.float16, {"block_t": 16, "prep_split": True}),
     (2, 200, [200, 77], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64,
-                                                               "prep_split": True, "fold_w": False}),
+                                                               "prep_split": True}),
     (3, 24, [24, 9, 5], 2, 4, 16, 16, "random", torch.float32, {"pad_request": 2, "prep_split": True}),
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"prenorm": True, "l2norm": False,
                                                           "prep_split": True}),
     # padding nodes full of NaN must not reach real nodes (prep loads are masked by N, not n)
     (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True}),
-    (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True, "prep_split": True,
-                                                            "fold_w": False}),
+    (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True, "prep_split": True}),
     (3, 24, [24, 9, 5], 2, 4, 16, 16, "random", torch.float32, {"pad_request": 2}),
     (2, 12, [12, 7], 2, 2, 20, 24, "random", torch.float32, {"v_first": True}),
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"gnorm": 0.01}),
@@ -130,18 +129,6 @@ VERIFY_CASES = [
     (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 64, "inv_base": 4}),
     (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": True,
                                                             "inv_base": 4}),
-    # the tiles stored times W_t (after the diagonal launch): one dot per solve block on the chain
-    (2, 200, [200, 77], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64,
-                                                               "prep_split": True, "fold_w": True}),
-    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": True,
-                                                            "fold_w": True}),
-    (3, 33, [33, 9, 1], 2, 4, 16, 16, "random", torch.float16, {"single_root": True, "pad_request": 2,
-                                                               "prep_split": True, "fold_w": True}),
-    (2, 40, [40, 23], 2, 4, 16, 16, "random", torch.float32, {"nan_padding": True, "prep_split": True,
-                                                            "fold_w": True}),
-    (2, 100, [100, 61], 1, 2, 16, 16, "spine", torch.float32, {"solve_kc": 16, "prefetch": False,
-                                                               "prep_split": True, "fold_w": True,
-                                                               "l2norm": False, "prenorm": True}),
     # W_t read after the dots over earlier blocks (the default reads it at the block's top)
     (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "w_early": False}),
     (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "w_early": False,
@@ -170,8 +157,7 @@ def run_verify(case, seed=0):
                                precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
                                prefetch=extra.get("prefetch", True), prep_split=extra.get("prep_split"),
                                solve_kc=extra.get("solve_kc"), single_root=extra.get("single_root"),
-                               inv_base=extra.get("inv_base"), w_early=extra.get("w_early"),
-                               fold_w=extra.get("fold_w"))
+                               inv_base=extra.get("inv_base"), w_early=extra.get("w_early"))
     assert torch.equal(dpool, before), "verify wrote the committed state"
     if extra.get("nan_padding"):
         for b, n in enumerate(ns):  # the float64 reference reads nothing past n either
@@ -355,7 +341,6 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
                                         (129, "spine", (32, 64, 8)), (129, "spine", (64, 64, 8)),
                                         (65, "eagle", "split"), (129, "spine", "split"),
                                         (65, "eagle", "w_late"), (129, "spine", "w_late"),
-                                        (65, "eagle", "fold"), (129, "spine", "fold"),
                                         (65, "eagle", "root"), (129, "spine", "root"),
                                         (65, "eagle", "inv4"), (129, "spine", "inv4")])
 def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
@@ -365,11 +350,10 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num, sidx)]
     dpool = pool.cuda()
-    split, root, inv4 = cfg in ("split", "fold"), cfg == "root", cfg == "inv4"
+    split, root, inv4 = cfg == "split", cfg == "root", cfg == "inv4"
     bt, bv, nw = (None, None, None) if isinstance(cfg, str) or cfg is None else cfg
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split,
-                               single_root=root, inv_base=4 if inv4 else None, w_early=cfg != "w_late",
-                               fold_w={"split": False, "fold": True}.get(cfg))
+                               single_root=root, inv_base=4 if inv4 else None, w_early=cfg != "w_late")
     ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)

@@ -178,18 +178,15 @@ def stashed_row_terms(G, RN, beta, rows, m_r, i_b, i_hv, i_bh, N, HV):
 
 
 @triton.jit
-def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, W, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
+def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
                       rows, m_N, p_blk, N, H, HV, K, NPAD, NW: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BC: tl.constexpr, USE_L2NORM: tl.constexpr,
-                      DOT_PREC: tl.constexpr, FROM_STASH: tl.constexpr, ROOT: tl.constexpr,
-                      FOLD_W: tl.constexpr, INV_PREC: tl.constexpr):
+                      DOT_PREC: tl.constexpr, FROM_STASH: tl.constexpr, ROOT: tl.constexpr):
     """AP rows of block t over columns c BC .. c BC + BC - 1 (nodes below the block; node
     ROOT + column, see `tree_gdn_prep_kernel`).
 
     G and the inverse norms are derived here from g, the ancestor words and q/k, or (FROM_STASH)
     read back from G and RN, written by the diagonal programs of an earlier launch.
-    FOLD_W (with FROM_STASH): the tile is stored multiplied by the block's W_t, which the diagonal
-    launch stored: W_t [A ; -P] = [T A ; (P_tt T) A - P] (dots of precision INV_PREC).
     """
     o_i = tl.arange(0, BT)
     o_l = i_c * BC + tl.arange(0, BC)                  # columns of AP
@@ -217,12 +214,6 @@ def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, W, scale, i_t, i_c, i_b,
                    b_rkc[None, :], 0.)
     b_p = tl.where(b_on, b_rq[:, None] * b_d * gram(b_q, b_kc, DOT_PREC) * b_rkc[None, :],
                    0.)
-    if FOLD_W:
-        p_w = W + (p_blk + o_i[:, None]) * 2 * BT + o_i[None, :]
-        b_t = tl.load(p_w)                                 # T [BT, BT]
-        b_m = tl.load(p_w + 2 * BT * BT)                   # P_tt T [BT, BT]
-        b_p = b_p - tl.dot(b_m, b_a, input_precision=INV_PREC)
-        b_a = tl.dot(b_t, b_a, input_precision=INV_PREC)
     p_ap = AP + (p_blk + o_i[:, None]) * NPAD + o_l[None, :]
     tl.store(p_ap, b_a, mask=m_c[None, :])
     tl.store(p_ap + BT * NPAD, -b_p, mask=m_c[None, :])
@@ -265,7 +256,7 @@ def tree_gdn_prep_kernel(
     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB, NPAD,
     NW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
     USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr, PART: tl.constexpr,
-    ROOT: tl.constexpr, INV_BASE: tl.constexpr, INV_PREC: tl.constexpr, FOLD_W: tl.constexpr,
+    ROOT: tl.constexpr, INV_BASE: tl.constexpr, INV_PREC: tl.constexpr,
 ):
     """ROOT = 1 (`tree_gdn_verify(single_root=True)`): node 0 is every node's ancestor and the solve
     folds it into the state, so the blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..) and the
@@ -300,9 +291,9 @@ def tree_gdn_prep_kernel(
     n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
     p_blk = (i_bh * NB + i_t) * 2 * BT
     if PART == 2 or (PART == 0 and i_p >= NB):
-        off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, W, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
+        off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_h, i_hv, i_bh,
                           rows, m_N, p_blk, N, H, HV, K, NPAD, NW, BT, BK, BC, USE_L2NORM,
-                          DOT_PREC, PART == 2, ROOT, FOLD_W and PART == 2, INV_PREC)
+                          DOT_PREC, PART == 2, ROOT)
     else:
         diagonal_block(q, k, g, beta, anc, n, G, RN, W, scale, i_t, i_b, i_h,
                        i_hv, i_bh, rows, m_N, p_blk, N, H, HV, K, NW, BT, BK, USE_L2NORM, DOT_PREC,

@@ -93,7 +93,7 @@ def tree_gdn_solve_kernel(
     q, k, v, g, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, scale, N, H, HV, K, V, NB,
     NPAD, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    ROOT: tl.constexpr, USE_L2NORM: tl.constexpr, W_EARLY: tl.constexpr, FOLDED: tl.constexpr,
+    ROOT: tl.constexpr, USE_L2NORM: tl.constexpr, W_EARLY: tl.constexpr,
 ):
     """ROOT = 1: node 0 is every node's ancestor; it is folded into the state tile first
     (`fold_root`) and the blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..)."""
@@ -147,25 +147,12 @@ def tree_gdn_solve_kernel(
                                          V, o_k, o_v, m_v, BT)
             b_eG, b_rn = load_scales(G, RN, rows + BT, n, g0, i_b, i_hv, i_bh, N, HV, BT)
         p_blk = (i_bh * NB + i_t) * 2 * BT
-        if W_EARLY or FOLDED:
+        if W_EARLY:
             # [2BT, 2BT] W_t read with the AP tiles and the earlier V' (one round trip per block):
             # read after the loop below, its load waits for the loop's dots
             b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
-        if FOLDED:
-            # AP holds W_t AP_t: [V'_t ; O_t] = W_t Y0_t - (W_t AP_t) V'_<t. The first KC columns are
-            # read unconditionally (all masked in block 0), so that W_t Y0_t, which needs no V',
-            # runs while they load, and one dot per KC columns stays on the serial chain.
-            o_c = tl.arange(0, KC)
-            m_c = o_c < i_t * BT
-            b_ap = tl.load(AP + (p_blk + o_r[:, None]) * NPAD + o_c[None, :], mask=m_c[None, :],
-                           other=0.)
-            b_u = tl.load(vnew + ((i_b * N + ROOT + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
-                          mask=m_c[:, None] & m_v[None, :], other=0.)
-            b_z = tl.dot(b_w, b_y, input_precision=DOT_PREC)
-            b_z -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
-        i_c0 = 1 if FOLDED else 0
         # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
-        for i_c in range(i_c0, tl.cdiv(i_t * BT, KC)):
+        for i_c in range(0, tl.cdiv(i_t * BT, KC)):
             o_c = i_c * KC + tl.arange(0, KC)
             m_c = o_c < i_t * BT
             # [2BT, KC] and [KC, BV] (nodes ROOT + o_c); columns of later blocks are masked to zero
@@ -173,15 +160,11 @@ def tree_gdn_solve_kernel(
                            other=0.)
             b_u = tl.load(vnew + ((i_b * N + ROOT + o_c[:, None]) * HV + i_hv) * V + o_v[None, :],
                           mask=m_c[:, None] & m_v[None, :], other=0.)
-            if FOLDED:
-                b_z -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
-            else:
-                b_y -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
-        if not FOLDED:
-            # [2BT, 2BT] @ [2BT, BV] -> [V'_t ; O_t]
-            if not W_EARLY:
-                b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
-            b_z = tl.dot(b_w, b_y, input_precision=DOT_PREC)
+            b_y -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
+        # [2BT, 2BT] @ [2BT, BV] -> [V'_t ; O_t]
+        if not W_EARLY:
+            b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
+        b_z = tl.dot(b_w, b_y, input_precision=DOT_PREC)
         p_out = ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :]
         m_st = (rows < N)[:, None] & m_v[None, :]
         tl.store(vnew + p_out, b_z, mask=m_st & m_top[:, None])
@@ -219,11 +202,14 @@ def _config(N):
     8-9; by 0.2-0.8 us, once 0.1 us slower), on everywhere else (n=64/65: 1.0-2.1 us faster with it).
     W_t read at the top of each solve block (w_early, session 10; before, the SASS issued its loads
     after the dots over earlier blocks, a second round trip per block): n=129 37.9 vs 39.5 us (EAGLE
-    38.3 vs 40.0), n=65 20.8 vs 22.1.
+    38.3 vs 40.0), n=65 20.8 vs 22.1. 4-warp programs of the one-launch prep from 49 to 96 nodes: faster
+    at 64/65 in four runs over three H200s (sessions 8-10; 65: 21.07 vs 21.82, 21.11 vs 21.80, 21.05 vs
+    22.07, 20.56 vs 21.52 us; 64: 18.92 vs 19.78, 18.89 vs 19.61), slower at 16 and 32 (10.0 vs 8.9,
+    12.9 vs 12.5) and for the split prep's tiles at 129 (39.3 vs 38.4).
     """
     return dict(block_t=16, block_v=16, num_warps=2 if N > 48 else 4, block_c=32, prefetch=True,
-                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=2, diag_warps=4, inv_base=8,
-                pdl=N <= 96, w_early=True, fold_w=True)
+                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=4 if 48 < N <= 96 else 2,
+                diag_warps=4, inv_base=8, pdl=N <= 96, w_early=True)
 
 
 def root_folded(single_root, N: int, BT: int) -> int:
@@ -236,8 +222,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                     use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
                     check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
                     prefetch=None, solve_kc=None, prep_warps=None, diag_warps=None, inv_base=None, prep_maxnreg=None,
-                    prep_split=None, pdl=None, w_early=None, fold_w=None, single_root=None,
-                    stages=("prep", "solve")):
+                    prep_split=None, pdl=None, w_early=None, single_root=None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -282,10 +267,6 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         w_early: the solve reads each block's W_t at the block's top, with its AP tiles and the
             earlier V', instead of after the dots over earlier blocks (one memory round trip per
             serial block instead of two). Default: True.
-        fold_w: (with `prep_split`) the tile launch, which runs after the diagonal programs, stores
-            W_t AP_t instead of AP_t, so a solve block computes W_t Y0_t (no V' needed) while its
-            earlier V' loads and then needs one dot instead of two on the serial chain. Default: on
-            with the split prep.
         single_root: node 0 is an ancestor of every real node of every request (a tree rooted at
             node 0, as a decoder's verify trees are). Then when N = 1 (mod block_t), the solve
             folds node 0 into the state first (a rank-1 update of each state tile) and the
@@ -337,10 +318,6 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     nw, BC = num_warps or dflt["num_warps"], block_c or dflt["block_c"]
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
     w_early = dflt["w_early"] if w_early is None else bool(w_early)
-    fold_w = dflt["fold_w"] and prep_split if fold_w is None else bool(fold_w)
-    if fold_w and not prep_split:
-        raise ValueError("fold_w=True needs prep_split=True (the tiles read the W_t that the diagonal launch "
-                         "stored)")
     prep_split = dflt["prep_split"] if prep_split is None else prep_split
     solve_kc = dflt["solve_kc"] if solve_kc is None else solve_kc
     pdl = (dflt["pdl"] and pdl_supported(v.device)) if pdl is None else bool(pdl)
@@ -387,8 +364,7 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                     q, k, g, beta, anc, num_nodes, state_idx, G, RN, AP, W, scale, N, H, HV, K, NB,
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
                     DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, INV_BASE=inv_base,
-                    INV_PREC="tf32x3" if precision == "tf32" and (inv_base < BT or fold_w) else precision,
-                    FOLD_W=fold_w,
+                    INV_PREC="tf32x3" if precision == "tf32" and inv_base < BT else precision,
                     num_warps=diag_warps if part == 1 else prep_warps,
                     **extra)
     if "solve" in stages:
@@ -396,6 +372,5 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             q, k, v, g, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, scale, N, H,
             HV, K, V, NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, solve_kc),
             STATE_V_FIRST=state_v_first, DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, ROOT=ROOT,
-            USE_L2NORM=use_qk_l2norm, W_EARLY=w_early, FOLDED=fold_w, num_warps=nw, num_stages=1,
-            **launch)
+            USE_L2NORM=use_qk_l2norm, W_EARLY=w_early, num_warps=nw, num_stages=1, **launch)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

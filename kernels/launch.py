@@ -20,5 +20,5 @@ def _triton_has_pdl() -> bool:
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol) needs sm_90+ and a Triton that exposes it (3.6 does);
     the interpreter has none."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1" and _triton_has_pdl()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.is_available()
+            and _triton_has_pdl() and torch.cuda.get_device_capability(device)[0] >= 9)

@@ -407,3 +407,22 @@ def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
         want, _ = tree_gdn_verify(*src, *d[3:], dpool, dsidx, anc=anc, pdl=False, single_root=single_root)
         assert torch.equal(fresh, want)
     assert torch.equal(dpool.cpu(), pool), "verify wrote the committed state"
+
+
+def test_benchmark_quick_configs_are_valid_verify_arguments():
+    """Every configuration `bench_gdn_tree.py --quick` times passes `tree_gdn_verify`'s checks (run with no
+    launch), the default comes first, and PDL is never asked for where it cannot run (a CPU-only torch must not
+    raise)."""
+    from benchmarks.bench_gdn_tree import configs_for, default_config
+    from kernels.launch import pdl_supported
+    assert not pdl_supported(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for n in (16, 65, 129):
+        parent, num = make_batch(1, n, [n], "chain", gen)
+        q, k, v, g, beta, pool, sidx = make_gdn(1, n, 1, 1, 16, 16, torch.float32, gen)
+        cfgs = configs_for(n, quick=True)
+        assert cfgs[0] == default_config(n) and len(cfgs) == len({tuple(sorted(c.items())) for c in cfgs})
+        for cfg in cfgs:
+            if not pdl_supported(torch.device("cuda")):
+                assert not cfg["pdl"]
+            tree_gdn_verify(q, k, v, g, beta, parent, num, pool, sidx, stages=(), **cfg)

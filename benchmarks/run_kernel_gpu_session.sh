@@ -41,7 +41,7 @@ echo "phase 1 done at $(( $(date +%s) - T0 ))s" | tee -a "$OUT/session.txt"
 # phase 2: GDN benchmark (optional timings and checks stop at its budget)
 B=$(left 420)
 timeout $((B + 35)) python3 benchmarks/bench_gdn_tree.py --out "$OUT/gdn_tree_h200.json" \
-  --budget-s $B >"$OUT/bench_gdn.log" 2>&1
+  --budget-s $B --check-jobs 6 >"$OUT/bench_gdn.log" 2>&1
 rc=$?; echo "phase 2 (budget ${B}s) done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt"
 
 # phase 3: tree attention, default configurations on all cases

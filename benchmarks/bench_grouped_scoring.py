@@ -27,7 +27,10 @@ V, D, L, K = 248320, 5120, 15, 512
 SWEEP = [{}, dict(bwd_gather=False), dict(bwd_gather=False, bwd_bu=32), dict(bwd_gather=False, bwd_ids_ahead=False),
          dict(bwd_gather=False, bwd_bd=64), dict(bwd_gather=False, precision="tf32"), dict(stages=4),
          # untimed yet (session 7): wider hidden blocks, so each gathered row is read in 512-byte pieces
-         dict(bwd_gather=False, bwd_bd=256), dict(bwd_gather=False, bwd_bd=256, stages=4)]
+         dict(bwd_gather=False, bwd_bd=256), dict(bwd_gather=False, bwd_bd=256, stages=4),
+         # session 10: the union backward's score gradient through a zeroed scratch and index_put (as before the
+         # builder kernel, which the bwd_gather=False entries above now use)
+         dict(bwd_gather=False, bwd_builder=False)]
 
 
 def profile(fn, q, iters=3):

@@ -23,9 +23,16 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason
     (45, 7, 70, 300, 16, torch.float32, 1.3, 0.0, 4096, None),      # Dm over one block; chunks of one group
     (20, 40, 32, 400, 20, torch.float32, None, 0.05, 1 << 29, None),  # union over one BU block
     # other blocks in each pass: the forward's union over 3 blocks of 16, the backward's hidden over 3 of 16
-    (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(fwd_bu=16, fwd_bd=32, bwd_bu=32, bwd_bd=16)),
-    # the next union block's ids read ahead in the backward; the backward through the gather kernel
-    (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(bwd_bu=16, bwd_ids_ahead=True)),
+    (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(fwd_bu=16, fwd_bd=32, bwd_bu=32, bwd_bd=16,
+                                                               bwd_gather=False)),
+    # the union backward: the next union block's ids read ahead; pads and a partial last group; many duplicates
+    # (summed by the score-gradient builder's one-hot dot); chunks of one group; the index_put scratch instead
+    (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(bwd_bu=16, bwd_ids_ahead=True, bwd_gather=False)),
+    (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, dict(bwd_gather=False)),
+    (30, 12, 40, 15, 15, torch.float16, None, 0.1, 1 << 29, dict(bwd_gather=False, bwd_bu=16)),
+    (45, 7, 70, 300, 16, torch.float32, 1.3, 0.0, 4096, dict(bwd_gather=False)),
+    (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, dict(bwd_gather=False, bwd_builder=False)),
+    # the backward through the gather kernel
     (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, dict(bwd_gather=True)),
     (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, dict(bwd_gather=True, bwd_gather_tuning=dict(prefetch=True, block_c=4))),
 ])
@@ -60,6 +67,19 @@ def test_group_union_indexes_every_candidate():
                 assert union[g, pos[m, c]] == cand[m, c]
             else:
                 assert pos[m, c] == -1
+    # the candidates sorted by (group, union index), for the union backward's score-gradient builder
+    u2, pos2, count2, order, local, offs = group_union(cand, 4, 10, entries=True)
+    assert torch.equal(u2, union) and torch.equal(pos2, pos) and torch.equal(count2, count)
+    assert sorted(order.tolist()) == list(range(11 * 6)) and offs.shape == (3, 4 * 6 + 1)
+    for g in range(3):
+        end = min(11, 4 * (g + 1)) * 6
+        assert torch.all(offs[g, int(count[g]):] == end) and int(offs[g, 0]) == g * 4 * 6
+        for u in range(int(count[g])):
+            lo, hi = int(offs[g, u]), int(offs[g, u + 1])
+            assert hi > lo and torch.all(local[lo:hi] == u)
+            for src in order[lo:hi].tolist():
+                m, c = divmod(src, 6)
+                assert m // 4 == g and (pos[m, c] == u if pos[m, c] >= 0 else union[g, u] == -1)
 
 
 @cpu_only

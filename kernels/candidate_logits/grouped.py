@@ -98,7 +98,43 @@ def grouped_hidden_grad_kernel(dscores, weight, union, count, dhidden, s_wv, M, 
              mask=m_q[:, None] & m_d[None, :])
 
 
-def group_union(cand: torch.Tensor, group: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@triton.jit
+def union_scores_grad_kernel(dlogits, order, local, offs, count, dscores, Kc, U, inv_t, G: tl.constexpr,
+                             GQ: tl.constexpr, BU: tl.constexpr, BE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """dscores[g, q, u-block] = inv_t * sum of dlogits[g G + q, c] over the candidates c at union index u.
+
+    Grid (cdiv(U, BU), groups of this chunk). Reads the candidates sorted by (group, union index) from
+    `group_union(..., entries=True)` (order, local [M * Kc]; offs [groups, U + 1]; count [groups]), so a block's
+    candidates are one contiguous range, summed into the [GQ, BU] tile by a dot of one-hot tiles ([GQ, BE] of
+    values by row, [BE, BU] of ones by union index): no atomics, and no zeroed dense scratch (every block below
+    count is written whole, zeros included; blocks from count on are never read). dlogits fp32 [M, Kc] (0 at
+    pads); dscores [groups, GQ, U] fp32 or bf16. The pointers are offset to the chunk's first group, except
+    order, local and dlogits (global: offs holds global sorted positions).
+    """
+    i_u, i_g = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    n_u = tl.load(count + i_g)
+    u0 = i_u * BU
+    if u0 >= n_u:
+        return
+    lo = tl.load(offs + i_g * (U + 1) + u0)
+    hi = tl.load(offs + i_g * (U + 1) + tl.minimum(u0 + BU, n_u))
+    o_q, o_u, o_e = tl.arange(0, GQ), tl.arange(0, BU), tl.arange(0, BE)
+    acc = tl.zeros([GQ, BU], dtype=tl.float32)
+    for e0 in range(lo, hi, BE):
+        e = e0 + o_e
+        m_e = e < hi
+        src = tl.load(order + e, mask=m_e, other=0)                                   # m * Kc + c
+        u = tl.load(local + e, mask=m_e, other=-1) - u0
+        val = tl.load(dlogits + src, mask=m_e, other=0.)
+        q = src // Kc - lo // (G * Kc) * G                                            # row in the group
+        b_q = tl.where(o_q[:, None] == q[None, :], val[None, :], 0.)                 # [GQ, BE]
+        b_u = tl.where(u[:, None] == o_u[None, :], 1., 0.)                           # [BE, BU]
+        acc += tl.dot(b_q, b_u, input_precision=DOT_PREC)
+    tl.store(dscores + (i_g * GQ + o_q[:, None]) * U + u0 + o_u[None, :],
+             (acc * inv_t).to(dscores.dtype.element_ty), mask=(u0 + o_u < U)[None, :])
+
+
+def group_union(cand: torch.Tensor, group: int, vocab: int, entries: bool = False) -> tuple[torch.Tensor, ...]:
     """Distinct candidate ids of each group of `group` consecutive rows, without a host sync.
 
     cand int [M, Kc] (ids < 0 or >= vocab are pads) -> union int64 [ceil(M / group), U] with U = min(group, M) * Kc,
@@ -106,6 +142,11 @@ def group_union(cand: torch.Tensor, group: int, vocab: int) -> tuple[torch.Tenso
     them), pos int64 [M, Kc] (index of cand[m, c] in its group's union, -1 at pads) and count int32 [groups]
     (entries in use per group). One sort of all (group, id) keys; every size is known on the host beforehand, so
     a training step can run ahead of the GPU (and be captured).
+
+    entries: also the candidates sorted by (group, union index), for `union_scores_grad_kernel`: order int64
+    [M * Kc] (flat index m * Kc + c of each sorted candidate; group g's are sorted positions g * group * Kc ..),
+    local int32 [M * Kc] (its union index) and offs int32 [groups, U + 1] (sorted position of the first candidate
+    of each union index; the group's end from count on).
     """
     M, Kc = cand.shape
     NG, U = triton.cdiv(M, group), min(group, M) * Kc
@@ -132,14 +173,21 @@ def group_union(cand: torch.Tensor, group: int, vocab: int) -> tuple[torch.Tenso
     pos = torch.empty_like(local)
     pos[perm] = local
     pos = torch.where(valid, pos.view(M, Kc), -1)
-    return flat[:NG * U].view(NG, U), pos, count
+    if not entries:
+        return flat[:NG * U].view(NG, U), pos, count
+    offs = (ends + 1).to(torch.int32)[:, None].repeat(1, U + 2).flatten()           # one spare last entry
+    where = torch.where(first, ug * (U + 2) + local, NG * (U + 2) - 1)
+    offs[where] = torch.arange(M * Kc, device=cand.device, dtype=torch.int32)
+    return flat[:NG * U].view(NG, U), pos, count, perm, local.to(torch.int32), offs.view(NG, U + 2)[:, :U + 1].contiguous()
 
 
 def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     """Launch parameters: GQ (query rows padded to a power of 2 >= 16), the union and hidden blocks of the
     forward (fwd_bu, fwd_bd) and of the backward (bwd_bu, bwd_bd), warps and pipeline stages, bwd_ids_ahead
     (see `grouped_hidden_grad_kernel`) and bwd_gather: the backward through the per-candidate gather kernel
-    (`candidate_hidden_grad`) instead of the union, bwd_gather_tuning: that kernel's own overrides (a dict).
+    (`candidate_hidden_grad`) instead of the union, bwd_gather_tuning: that kernel's own overrides (a dict),
+    bwd_builder: the union backward's score gradient built by `union_scores_grad_kernel` from the sorted
+    candidates (else a zeroed fp32 scratch, index_put with atomics and a bf16 copy; session 10, not timed yet).
     Default: blocks of up to 64 (128 for the backward's hidden), 8 warps from 64 query rows up, and the gather
     backward. H200, Qwen3.6-27B head, 1024 rows x 15 x 512
     replayed candidates, forward + backward (benchmarks/results/grouped_scoring_h200.json): 4 rows per group
@@ -148,7 +196,7 @@ def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     GQ = max(16, triton.next_power_of_2(group))
     BU, BD = min(64, max(16, triton.next_power_of_2(U))), min(64, max(16, triton.next_power_of_2(Dm)))
     cfg = dict(GQ=GQ, fwd_bu=BU, fwd_bd=BD, bwd_bu=BU, bwd_bd=min(128, 2 * BD), warps=8 if GQ >= 64 else 4,
-               stages=3, bwd_ids_ahead=True, bwd_gather=True, bwd_gather_tuning=None)
+               stages=3, bwd_ids_ahead=True, bwd_gather=True, bwd_gather_tuning=None, bwd_builder=True)
     unknown = set(tuning or {}) - (set(cfg) - {"GQ"})
     if unknown:
         raise ValueError(f"unknown tuning keys {sorted(unknown)}; expected some of {sorted(set(cfg) - {'GQ'})}")
@@ -172,9 +220,10 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, cand, bias, inv_t, group, precision, chunk_bytes, tuning):
         M, Kc = cand.shape
         Dm, V = weight.shape[1], weight.shape[0]
-        union, pos, count = group_union(cand, group, V)
+        cfg = _config(min(group, M) * Kc, Dm, group, tuning)
+        build = not cfg["bwd_gather"] and cfg["bwd_builder"]
+        union, pos, count, *sorted_cands = group_union(cand, group, V, entries=build)
         NG, U = union.shape
-        cfg = _config(U, Dm, group, tuning)
         GQ = cfg["GQ"]
         chunk = max(1, chunk_bytes // (GQ * U * 4))                          # groups per scratch chunk
         logits = torch.empty(M, Kc, dtype=torch.float32, device=hidden.device)
@@ -195,14 +244,14 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
         logits = logits.masked_fill(pos < 0, float("-inf"))
         lse = torch.logsumexp(logits, -1, keepdim=True)
         logprobs = torch.where(pos >= 0, logits - torch.where(torch.isfinite(lse), lse, 0.0), float("-inf"))
-        ctx.save_for_backward(weight, union, count, pos, logprobs, cand)
+        ctx.save_for_backward(weight, union, count, pos, logprobs, cand, *sorted_cands)
         ctx.inv_t, ctx.hidden_dtype, ctx.group = inv_t, hidden.dtype, group
         ctx.cfg, ctx.chunk, ctx.precision = cfg, chunk, precision
         return logprobs
 
     @staticmethod
     def backward(ctx, g):
-        weight, union, count, pos, logprobs, cand = ctx.saved_tensors
+        weight, union, count, pos, logprobs, cand, *sorted_cands = ctx.saved_tensors
         g = torch.where(pos >= 0, g.float(), 0.0)
         dlogits = g - torch.exp(logprobs) * g.sum(-1, keepdim=True)           # exp(-inf) = 0 at pads
         dhidden = None
@@ -220,12 +269,21 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
             for g0 in range(0, NG, chunk):
                 g1 = min(NG, g0 + chunk)
                 r0, r1 = g0 * group, min(M, g1 * group)
-                dS = torch.zeros(g1 - g0, GQ, U, dtype=torch.float32, device=weight.device)
-                srow = _scratch_rows(r1 - r0, group, GQ, weight.device)
-                dS.view(-1, U).index_put_((srow[:, None].expand_as(pos[r0:r1]), pos[r0:r1].clamp(min=0)),
-                                          dlogits[r0:r1] * inv_t, accumulate=True)      # 0 at pads
-                if ctx.precision == "bf16":
-                    dS = dS.to(torch.bfloat16)                  # summed in fp32, then rounded once
+                if sorted_cands:
+                    order, local, offs = sorted_cands
+                    dS = torch.empty(g1 - g0, GQ, U, device=weight.device,
+                                     dtype=torch.bfloat16 if ctx.precision == "bf16" else torch.float32)
+                    union_scores_grad_kernel[(triton.cdiv(U, cfg["bwd_bu"]), g1 - g0)](
+                        dlogits, order, local, offs[g0:g1], count[g0:g1], dS, pos.shape[1], U, inv_t, G=group,
+                        GQ=GQ, BU=cfg["bwd_bu"], BE=32, DOT_PREC="tf32" if ctx.precision == "bf16" else "ieee",
+                        num_warps=4)
+                else:
+                    dS = torch.zeros(g1 - g0, GQ, U, dtype=torch.float32, device=weight.device)
+                    srow = _scratch_rows(r1 - r0, group, GQ, weight.device)
+                    dS.view(-1, U).index_put_((srow[:, None].expand_as(pos[r0:r1]), pos[r0:r1].clamp(min=0)),
+                                              dlogits[r0:r1] * inv_t, accumulate=True)      # 0 at pads
+                    if ctx.precision == "bf16":
+                        dS = dS.to(torch.bfloat16)                  # summed in fp32, then rounded once
                 grouped_hidden_grad_kernel[(triton.cdiv(Dm, cfg["bwd_bd"]), g1 - g0)](
                     dS, weight, union[g0:g1], count[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
                     G=group, GQ=GQ, BU=cfg["bwd_bu"], BD=cfg["bwd_bd"], DOT_PREC=_dot_prec(ctx.precision),

@@ -86,6 +86,8 @@ def main():
     ap.add_argument("--sweep-from", type=int, default=0, help="with --hidden-grad: HIDDEN_GRAD_SWEEP[i:] only")
     ap.add_argument("--hidden-grad", action="store_true",
                     help="only time the gather backward kernel (candidate_hidden_grad) over HIDDEN_GRAD_SWEEP")
+    ap.add_argument("--sweep", type=int, nargs="+", help="only these SWEEP entries (indexes)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the kernel-by-kernel profiles")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -104,8 +106,8 @@ def main():
 
     def gather():
         return candidate_log_probs(q, weight, cand, bias=bias)
-    res["gather"] = dict(ms=fwd_bwd_ms(gather, q, args.iters),
-                         floor_ms=2 * M * K * D * 2 / 4.8e12 * 1e3, profile=profile(gather, q))
+    res["gather"] = dict(ms=fwd_bwd_ms(gather, q, args.iters), floor_ms=2 * M * K * D * 2 / 4.8e12 * 1e3,
+                         profile=None if args.no_profile else profile(gather, q))
     q.grad = None
     lp_ref = gather()
     lp_ref.sum().backward()
@@ -116,20 +118,23 @@ def main():
         G = rows * L
         u = union_stats(cand, G, weight)
         row = dict(rows_per_group=rows, query_rows=G, **u, default=_config(u["union_max"], D, G), configs=[])
-        for tuning in SWEEP:
+        for tuning in [SWEEP[i] for i in args.sweep] if args.sweep else SWEEP:
             def fn(tuning=tuning):
                 t = dict(tuning)
                 return grouped_candidate_log_probs(q, weight, cand, G, bias=bias, precision=t.pop("precision", None),
                                                    tuning=t)
             try:
                 ms = fwd_bwd_ms(fn, q, args.iters)
+                q.grad = None
+                fn().sum().backward()
+                rel = float((q.grad.float() - dh_ref).norm() / dh_ref.norm())
             except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is recorded
                 row["configs"].append(dict(tuning=tuning, error=repr(e)[:300]))
                 continue
-            row["configs"].append(dict(tuning=tuning, ms=ms))
-            print(f"group {rows}: {tuning} {ms:.2f} ms", flush=True)
+            row["configs"].append(dict(tuning=tuning, ms=ms, rel_dhidden_vs_gather=rel))
+            print(f"group {rows}: {tuning} {ms:.2f} ms (dhidden {rel:.1e} from the gather's)", flush=True)
         fn = lambda: grouped_candidate_log_probs(q, weight, cand, G, bias=bias)  # noqa: E731
-        row["profile_default"] = profile(fn, q)
+        row["profile_default"] = None if args.no_profile else profile(fn, q)
         lp = fn()
         fin = torch.isfinite(lp_ref)
         q.grad = None

@@ -397,7 +397,8 @@ def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
+        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True,
+                                   single_root=single_root)
     for seed in range(3):
         gen2 = torch.Generator(device="cuda").manual_seed(seed)
         for x in src:

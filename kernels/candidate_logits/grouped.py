@@ -178,7 +178,8 @@ def group_union(cand: torch.Tensor, group: int, vocab: int, entries: bool = Fals
     offs = (ends + 1).to(torch.int32)[:, None].repeat(1, U + 2).flatten()           # one spare last entry
     where = torch.where(first, ug * (U + 2) + local, NG * (U + 2) - 1)
     offs[where] = torch.arange(M * Kc, device=cand.device, dtype=torch.int32)
-    return flat[:NG * U].view(NG, U), pos, count, perm, local.to(torch.int32), offs.view(NG, U + 2)[:, :U + 1].contiguous()
+    offs = offs.view(NG, U + 2)[:, :U + 1].contiguous()
+    return flat[:NG * U].view(NG, U), pos, count, perm, local.to(torch.int32), offs
 
 
 def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:

@@ -18,6 +18,17 @@ from .triton import candidate_logits
 
 
 @triton.jit
+def grad_weight_tile(dlogits, weight, ids, i_m, o_c, o_d, m_d, s_wv, Kc, V):
+    """dlogits[m, o_c] [BC] and the weight rows of ids (int64, the candidates at o_c) over columns o_d
+    [BC, BD]; zero past Kc, at pads (ids < 0 or >= V) and past Dm (~m_d)."""
+    valid = (o_c < Kc) & (ids >= 0) & (ids < V)
+    b_g = tl.load(dlogits + i_m * Kc + o_c, mask=valid, other=0.0)
+    b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
+                  mask=valid[:, None] & m_d[None, :], other=0.0)
+    return b_g, b_w
+
+
+@triton.jit
 def candidate_hidden_grad_kernel(
     dlogits, weight, cand, dhidden, s_wv, s_cm, Kc, Dm, V, inv_t,
     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr = False,
@@ -32,32 +43,21 @@ def candidate_hidden_grad_kernel(
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < Dm
     acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    o_c = tl.arange(0, BLOCK_C)
     if PREFETCH:
-        o_c = tl.arange(0, BLOCK_C)
         ids = tl.load(cand + i_m * s_cm + o_c, mask=o_c < Kc, other=-1).to(tl.int64)
-        valid = (o_c < Kc) & (ids >= 0) & (ids < V)
-        n_g = tl.load(dlogits + i_m * Kc + o_c, mask=valid, other=0.0)                      # [BC]
-        n_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
-                      mask=valid[:, None] & m_d[None, :], other=0.0)                       # [BC, BD]
+        n_g, n_w = grad_weight_tile(dlogits, weight, ids, i_m, o_c, o_d, m_d, s_wv, Kc, V)
         ids = tl.load(cand + i_m * s_cm + o_c + BLOCK_C, mask=o_c + BLOCK_C < Kc, other=-1).to(tl.int64)
         for c0 in range(0, Kc, BLOCK_C):
             b_g, b_w = n_g, n_w
-            o_c = c0 + BLOCK_C + tl.arange(0, BLOCK_C)          # the next block (all masked after the last)
-            valid = (o_c < Kc) & (ids >= 0) & (ids < V)
-            n_g = tl.load(dlogits + i_m * Kc + o_c, mask=valid, other=0.0)
-            n_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
-                          mask=valid[:, None] & m_d[None, :], other=0.0)
-            ids = tl.load(cand + i_m * s_cm + o_c + BLOCK_C, mask=o_c + BLOCK_C < Kc, other=-1).to(tl.int64)
+            o_n = c0 + BLOCK_C + o_c                            # the next block (all masked after the last)
+            n_g, n_w = grad_weight_tile(dlogits, weight, ids, i_m, o_n, o_d, m_d, s_wv, Kc, V)
+            ids = tl.load(cand + i_m * s_cm + o_n + BLOCK_C, mask=o_n + BLOCK_C < Kc, other=-1).to(tl.int64)
             acc += b_w.to(tl.float32) * b_g[:, None]
     else:
         for c0 in range(0, Kc, BLOCK_C):
-            o_c = c0 + tl.arange(0, BLOCK_C)
-            m_c = o_c < Kc
-            ids = tl.load(cand + i_m * s_cm + o_c, mask=m_c, other=-1).to(tl.int64)
-            valid = m_c & (ids >= 0) & (ids < V)
-            b_g = tl.load(dlogits + i_m * Kc + o_c, mask=valid, other=0.0)                      # [BC]
-            b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
-                          mask=valid[:, None] & m_d[None, :], other=0.0)                       # [BC, BD]
+            ids = tl.load(cand + i_m * s_cm + c0 + o_c, mask=c0 + o_c < Kc, other=-1).to(tl.int64)
+            b_g, b_w = grad_weight_tile(dlogits, weight, ids, i_m, c0 + o_c, o_d, m_d, s_wv, Kc, V)  # [BC], [BC, BD]
             acc += b_w.to(tl.float32) * b_g[:, None]
     b_dh = tl.sum(acc, 0) * inv_t
     tl.store(dhidden + i_m * Dm + o_d, b_dh.to(dhidden.dtype.element_ty), mask=m_d)

@@ -13,6 +13,17 @@ import triton.language as tl
 
 
 @triton.jit
+def hidden_weight_tile(hidden, p_w, valid, i_m, s_hm, d0, Dm, BLOCK_D: tl.constexpr):
+    """Columns d0 .. d0 + BLOCK_D of the hidden row [BD] and of the candidates' weight rows [BK, BD] (zero past
+    Dm and at invalid candidates), as stored."""
+    o_d = d0 + tl.arange(0, BLOCK_D)
+    m_d = o_d < Dm
+    b_h = tl.load(hidden + i_m * s_hm + o_d, mask=m_d, other=0.0)
+    b_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)
+    return b_h, b_w
+
+
+@triton.jit
 def candidate_logits_fwd_kernel(
     hidden, weight, cand, bias, inv_t, logits, logprobs, lse,
     s_hm, s_wv, s_cm, s_bm, Kc, Dm, V, inv_t_scalar,
@@ -29,22 +40,16 @@ def candidate_logits_fwd_kernel(
     p_w = weight + tl.where(valid, ids, 0)[:, None] * s_wv  # [BK, 1] row starts
     acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
     if PREFETCH:
-        o_d = tl.arange(0, BLOCK_D)
-        n_h = tl.load(hidden + i_m * s_hm + o_d, mask=o_d < Dm, other=0.0)                     # [BD]
-        n_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & (o_d < Dm)[None, :], other=0.0)  # [BK, BD]
+        n_h, n_w = hidden_weight_tile(hidden, p_w, valid, i_m, s_hm, 0, Dm, BLOCK_D)
         for d0 in range(0, Dm, BLOCK_D):
             b_h, b_w = n_h, n_w
-            o_d = d0 + BLOCK_D + tl.arange(0, BLOCK_D)        # the next block (all masked after the last)
-            n_h = tl.load(hidden + i_m * s_hm + o_d, mask=o_d < Dm, other=0.0)
-            n_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & (o_d < Dm)[None, :], other=0.0)
+            # the next block (all masked after the last)
+            n_h, n_w = hidden_weight_tile(hidden, p_w, valid, i_m, s_hm, d0 + BLOCK_D, Dm, BLOCK_D)
             acc += b_w.to(tl.float32) * b_h.to(tl.float32)[None, :]
     else:
         for d0 in range(0, Dm, BLOCK_D):
-            o_d = d0 + tl.arange(0, BLOCK_D)
-            m_d = o_d < Dm
-            b_h = tl.load(hidden + i_m * s_hm + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
-            b_w = tl.load(p_w + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)  # [BK, BD]
-            acc += b_w.to(tl.float32) * b_h[None, :]
+            b_h, b_w = hidden_weight_tile(hidden, p_w, valid, i_m, s_hm, d0, Dm, BLOCK_D)  # [BD], [BK, BD]
+            acc += b_w.to(tl.float32) * b_h.to(tl.float32)[None, :]
     b_l = tl.sum(acc, 1)
     if INV_T_PER_ROW:
         b_l = b_l * tl.load(inv_t + i_m).to(tl.float32)

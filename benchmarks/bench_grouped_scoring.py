@@ -30,7 +30,12 @@ SWEEP = [{}, dict(bwd_gather=False), dict(bwd_gather=False, bwd_bu=32), dict(bwd
          dict(bwd_gather=False, bwd_bd=256), dict(bwd_gather=False, bwd_bd=256, stages=4),
          # session 10: the union backward's score gradient through a zeroed scratch and index_put (as before the
          # builder kernel, which the bwd_gather=False entries above now use)
-         dict(bwd_gather=False, bwd_builder=False)]
+         dict(bwd_gather=False, bwd_builder=False),
+         # session 11: the union backward with wider hidden blocks and fewer union rows per step (the gather
+         # backward's best tiles are 8 candidates x 512 columns)
+         dict(bwd_gather=False, bwd_bd=256, bwd_bu=32), dict(bwd_gather=False, bwd_bd=512, bwd_bu=16),
+         dict(bwd_gather=False, bwd_bd=256, bwd_bu=16), dict(bwd_gather=False, bwd_bd=512, bwd_bu=32),
+         dict(bwd_gather=False, bwd_bd=256, bwd_bu=32, stages=4)]
 
 
 def profile(fn, q, iters=3):

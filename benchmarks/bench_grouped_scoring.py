@@ -22,20 +22,11 @@ from tfm_runtime.io import atomic_write_json
 
 V, D, L, K = 248320, 5120, 15, 512
 # overrides of kernels.candidate_logits.grouped._config, and "precision" of the union backward's dot: the default
-# (grouped forward, gather backward), then the union backward (bwd_gather=False) as defaulted (bf16 gradient,
-# 128-wide hidden blocks, ids read ahead) and with one of those undone, or with 32-row union blocks
-SWEEP = [{}, dict(bwd_gather=False), dict(bwd_gather=False, bwd_bu=32), dict(bwd_gather=False, bwd_ids_ahead=False),
-         dict(bwd_gather=False, bwd_bd=64), dict(bwd_gather=False, precision="tf32"), dict(stages=4),
-         # untimed yet (session 7): wider hidden blocks, so each gathered row is read in 512-byte pieces
-         dict(bwd_gather=False, bwd_bd=256), dict(bwd_gather=False, bwd_bd=256, stages=4),
-         # session 10: the union backward's score gradient through a zeroed scratch and index_put (as before the
-         # builder kernel, which the bwd_gather=False entries above now use)
-         dict(bwd_gather=False, bwd_builder=False),
-         # session 11: the union backward with wider hidden blocks and fewer union rows per step (the gather
-         # backward's best tiles are 8 candidates x 512 columns)
-         dict(bwd_gather=False, bwd_bd=256, bwd_bu=32), dict(bwd_gather=False, bwd_bd=512, bwd_bu=16),
-         dict(bwd_gather=False, bwd_bd=256, bwd_bu=16), dict(bwd_gather=False, bwd_bd=512, bwd_bu=32),
-         dict(bwd_gather=False, bwd_bd=256, bwd_bu=32, stages=4)]
+# (session 11: union backward in 32 union rows x 512 hidden columns, the next block's ids read ahead, fp32 score
+# gradient scattered by atomics and rounded to bf16 in the dot), then one setting changed at a time, the gather
+# backward (the default of sessions 7-10) and session 10's union blocks (64 x 128)
+SWEEP = [{}, dict(bwd_ids_ahead=False), dict(bwd_bu=16), dict(bwd_bd=256), dict(bwd_bd=256, bwd_ids_ahead=False),
+         dict(stages=4), dict(bwd_gather=True), dict(bwd_bu=64, bwd_bd=128), dict(precision="tf32")]
 
 
 def profile(fn, q, iters=3):

@@ -127,7 +127,7 @@ def sync_sites(fn, frames: int = 6) -> list[str]:
 def union_stats(cand: torch.Tensor, group: int, lm_head: torch.Tensor) -> dict:
     """Groups of `group` query rows of cand [M, K]: the largest union, the fraction of distinct ids, and the
     grouped scoring's memory floor (both passes read each group's distinct LM-head rows once, 4.8 TB/s)."""
-    from kernels.candidate_logits.grouped import group_union
+    from kernels.candidate_logits.union import group_union
     union, _, count = group_union(cand, group, lm_head.shape[0])
     distinct = int((union >= 0).sum())
     return {"union_max": int(count.max()), "distinct_fraction": distinct / cand.numel(),
@@ -205,8 +205,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--candidates", choices=["uniform", "replay"], default="uniform",
                     help="candidate ids uniform over the vocabulary, or real overlapping sets replayed from "
                          "benchmarks/data/smollm2_top512.npz")
-    ap.add_argument("--score-group", type=int, default=8, help="rows per group of the grouped scoring")
-    ap.add_argument("--step-scoring", choices=["gather", "grouped"], default="gather",
+    ap.add_argument("--score-group", type=int, default=4, help="rows per group of the grouped scoring (the train "
+                                                                "config's score_group_rows)")
+    ap.add_argument("--step-scoring", choices=["gather", "grouped"], default="grouped",
                     help="candidate scoring inside the training step: per-candidate gathers, or grouped "
                          "(--score-group rows per group; the train config's score_group_rows)")
     ap.add_argument("--score-tuning", help='with --step-scoring grouped: launch overrides as JSON, e.g. {"bwd_gather_tuning": {"prefetch": true}}')

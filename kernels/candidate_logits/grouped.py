@@ -8,8 +8,8 @@ are read once and scored against all G queries with a tensor-core dot:
 
     S[g, q, u]      = hidden[g G + q] . weight[union[g, u]]                   (`grouped_scores_kernel`)
     logits[m, c]    = S[m // G, m % G, pos[m, c]] * inv_t + bias[m, c]        (pos: index of cand[m, c] in the union)
-    logprobs        = log_softmax over the valid candidates of each row, as `candidate_log_probs`
-    dS[g, q, u]     = inv_t * sum_{c: pos[m, c] = u} dlogits[m, c]
+    logprobs        = log_softmax over the valid candidates of each row       (`grouped_logprobs_kernel`)
+    dS[g, q, u]     = inv_t * sum_{c: pos[m, c] = u} dlogits[m, c]             (`grouped_logits_grad_kernel`)
     dhidden[g G + q] = sum_u dS[g, q, u] weight[union[g, u]]                  (`grouped_hidden_grad_kernel`)
 
 Weight traffic per pass: NG*U*Dm instead of M*Kc*Dm; the price is a dense fp32 [G, U] score (and gradient)
@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .grad import candidate_hidden_grad
+from .union import group_union
 
 
 @triton.jit
@@ -59,13 +60,15 @@ def grouped_scores_kernel(hidden, weight, union, count, scores, s_hm, s_wv, M, U
 @triton.jit
 def grouped_hidden_grad_kernel(dscores, weight, union, count, dhidden, s_wv, M, U, Dm, V,
                                G: tl.constexpr, GQ: tl.constexpr, BU: tl.constexpr, BD: tl.constexpr,
-                               DOT_PREC: tl.constexpr, IDS_AHEAD: tl.constexpr):
+                               DOT_PREC: tl.constexpr, IDS_AHEAD: tl.constexpr, ROUND16: tl.constexpr):
     """dhidden[g G + q, d-block] = sum_u dscores[g, q, u] weight[union[g, u], d-block].
 
-    dscores fp32 (an fp32 dot of `DOT_PREC`) or of the weight's 16-bit dtype (a 16-bit dot, fp32 sums).
+    dscores fp32: an fp32 dot of `DOT_PREC`, or with ROUND16 each tile rounded to the weight's 16-bit dtype for a
+    16-bit dot (fp32 sums), as the backward of a 16-bit linear layer does.
 
     Grid (cdiv(Dm, BD), groups): a group's programs run next to each other and share its dscores
-    through L2. dscores [groups, GQ, U]; count int32 [groups] (union entries in use; the loop stops there);
+    through L2. dscores [groups, GQ, U], read only below count; count int32 [groups] (union entries in use;
+    the loop stops there);
     dhidden [M, Dm]. IDS_AHEAD: the next block's union ids are read before this block's weight rows, so the
     rows' addresses do not wait on a load in the same step.
     """
@@ -78,7 +81,8 @@ def grouped_hidden_grad_kernel(dscores, weight, union, count, dhidden, s_wv, M, 
     acc = tl.zeros([GQ, BD], dtype=tl.float32)
     if IDS_AHEAD:
         ids_next = tl.load(union + i_g * U + tl.arange(0, BU), mask=tl.arange(0, BU) < U, other=-1)
-    for u0 in range(0, tl.load(count + i_g), BU):
+    n_u = tl.load(count + i_g)
+    for u0 in range(0, n_u, BU):
         o_u = u0 + tl.arange(0, BU)
         if IDS_AHEAD:
             ids = ids_next
@@ -89,115 +93,93 @@ def grouped_hidden_grad_kernel(dscores, weight, union, count, dhidden, s_wv, M, 
         b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
                       mask=valid[:, None] & m_d[None, :], other=0.)                     # [BU, BD]
         b_s = tl.load(dscores + (i_g * GQ + o_q[:, None]) * U + o_u[None, :],
-                      mask=(o_u < U)[None, :], other=0.)                                # [GQ, BU]
-        if dscores.dtype.element_ty == tl.float32:
-            acc += tl.dot(b_s, b_w.to(tl.float32), input_precision=DOT_PREC)
+                      mask=(o_u < n_u)[None, :], other=0.)                              # [GQ, BU]
+        if ROUND16:
+            acc += tl.dot(b_s.to(b_w.dtype), b_w)
         else:
-            acc += tl.dot(b_s, b_w)
+            acc += tl.dot(b_s, b_w.to(tl.float32), input_precision=DOT_PREC)
     tl.store(dhidden + rows[:, None] * Dm + o_d[None, :], acc.to(dhidden.dtype.element_ty),
              mask=m_q[:, None] & m_d[None, :])
 
 
 @triton.jit
-def union_scores_grad_kernel(dlogits, order, local, offs, count, dscores, Kc, U, inv_t, G: tl.constexpr,
-                             GQ: tl.constexpr, BU: tl.constexpr, BE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """dscores[g, q, u-block] = inv_t * sum of dlogits[g G + q, c] over the candidates c at union index u.
+def grouped_logprobs_kernel(scores, pos, bias, logprobs, row0, Kc, U, inv_t, G: tl.constexpr, GQ: tl.constexpr,
+                            BK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """logprobs[m] = log_softmax over the valid candidates of scores[g, q, pos[m, c]] * inv_t + bias[m, c], for the
+    query row m = row0 + r of program r (g = r // G, q = r % G: the scores of this chunk of groups).
 
-    Grid (cdiv(U, BU), groups of this chunk). Reads the candidates sorted by (group, union index) from
-    `group_union(..., entries=True)` (order, local [M * Kc]; offs [groups, U + 1]; count [groups]), so a block's
-    candidates are one contiguous range, summed into the [GQ, BU] tile by a dot of one-hot tiles ([GQ, BE] of
-    values by row, [BE, BU] of ones by union index): no atomics, and no zeroed dense scratch (every block below
-    count is written whole, zeros included; blocks from count on are never read). dlogits fp32 [M, Kc] (0 at
-    pads); dscores [groups, GQ, U] fp32 or bf16. The pointers are offset to the chunk's first group, except
-    order, local and dlogits (global: offs holds global sorted positions).
+    scores fp32 [groups, GQ, U]; pos int32 [M, Kc] (-1 = pad); bias [M, Kc] (any float dtype) if HAS_BIAS;
+    logprobs fp32 [M, Kc], -inf at pads (all -inf in a row with no valid candidate). BK >= Kc, a power of 2.
     """
-    i_u, i_g = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    n_u = tl.load(count + i_g)
-    u0 = i_u * BU
-    if u0 >= n_u:
-        return
-    lo = tl.load(offs + i_g * (U + 1) + u0)
-    hi = tl.load(offs + i_g * (U + 1) + tl.minimum(u0 + BU, n_u))
-    o_q, o_u, o_e = tl.arange(0, GQ), tl.arange(0, BU), tl.arange(0, BE)
-    acc = tl.zeros([GQ, BU], dtype=tl.float32)
-    for e0 in range(lo, hi, BE):
-        e = e0 + o_e
-        m_e = e < hi
-        src = tl.load(order + e, mask=m_e, other=0)                                   # m * Kc + c
-        u = tl.load(local + e, mask=m_e, other=-1) - u0
-        val = tl.load(dlogits + src, mask=m_e, other=0.)
-        q = src // Kc - lo // (G * Kc) * G                                            # row in the group
-        b_q = tl.where(o_q[:, None] == q[None, :], val[None, :], 0.)                 # [GQ, BE]
-        b_u = tl.where(u[:, None] == o_u[None, :], 1., 0.)                           # [BE, BU]
-        acc += tl.dot(b_q, b_u, input_precision=DOT_PREC)
-    tl.store(dscores + (i_g * GQ + o_q[:, None]) * U + u0 + o_u[None, :],
-             (acc * inv_t).to(dscores.dtype.element_ty), mask=(u0 + o_u < U)[None, :])
+    r = tl.program_id(0).to(tl.int64)
+    m = row0 + r
+    o_c = tl.arange(0, BK)
+    p = tl.load(pos + m * Kc + o_c, mask=o_c < Kc, other=-1)
+    valid = p >= 0
+    x = tl.load(scores + ((r // G) * GQ + r % G) * U + tl.where(valid, p, 0), mask=valid, other=0.) * inv_t
+    if HAS_BIAS:
+        x += tl.load(bias + m * Kc + o_c, mask=valid, other=0.).to(tl.float32)
+    x = tl.where(valid, x, float("-inf"))
+    top = tl.max(x, 0)
+    top = tl.where(top == float("-inf"), 0., top)                    # a row of pads: exp gives 0, never NaN
+    lse = top + tl.log(tl.maximum(tl.sum(tl.exp(x - top), 0), 1.))    # >= 1 with any valid candidate
+    tl.store(logprobs + m * Kc + o_c, tl.where(valid, x - lse, float("-inf")), mask=o_c < Kc)
 
 
-def group_union(cand: torch.Tensor, group: int, vocab: int, entries: bool = False) -> tuple[torch.Tensor, ...]:
-    """Distinct candidate ids of each group of `group` consecutive rows, without a host sync.
+@triton.jit
+def zero_scores_kernel(dscores, count, U, BZ: tl.constexpr):
+    """dscores[g, q, :count[g]] = 0 for every row q. Grid (GQ, groups of this chunk); dscores fp32 [groups, GQ, U]
+    (the entries from count on are never read)."""
+    q, g = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    n = tl.load(count + g)
+    row = dscores + (g * tl.num_programs(0) + q) * U
+    for u0 in range(0, n, BZ):
+        o_u = u0 + tl.arange(0, BZ)
+        tl.store(row + o_u, tl.zeros([BZ], dtype=tl.float32), mask=o_u < n)
 
-    cand int [M, Kc] (ids < 0 or >= vocab are pads) -> union int64 [ceil(M / group), U] with U = min(group, M) * Kc,
-    the most a group can hold (its sorted distinct ids first, then -1; a group with pads also lists one -1 among
-    them), pos int64 [M, Kc] (index of cand[m, c] in its group's union, -1 at pads) and count int32 [groups]
-    (entries in use per group). One sort of all (group, id) keys; every size is known on the host beforehand, so
-    a training step can run ahead of the GPU (and be captured).
 
-    entries: also the candidates sorted by (group, union index), for `union_scores_grad_kernel`: order int64
-    [M * Kc] (flat index m * Kc + c of each sorted candidate; group g's are sorted positions g * group * Kc ..),
-    local int32 [M * Kc] (its union index) and offs int32 [groups, U + 1] (sorted position of the first candidate
-    of each union index; the group's end from count on).
+@triton.jit
+def grouped_logits_grad_kernel(gout, s_gm, s_gc, logprobs, pos, dscores, dlogits, row0, Kc, U, inv_t,
+                               G: tl.constexpr, GQ: tl.constexpr, BK: tl.constexpr, STORE_DL: tl.constexpr):
+    """The log-softmax's backward for the query row m = row0 + r of program r, scattered into its group's scores:
+
+        dl[c]                           = g[c] - exp(logprobs[m, c]) * sum_c g[c]     (g = gout[m], 0 at pads)
+        dscores[r // G, r % G, pos[m, c]] += inv_t * dl[c]                          (atomic: duplicate ids add up)
+
+    gout [M, Kc] (strides s_gm, s_gc; any float dtype); logprobs fp32 [M, Kc]; pos int32 [M, Kc] (-1 = pad);
+    dscores fp32 [groups, GQ, U] of this chunk, zeroed up to each group's count (`zero_scores_kernel`); dlogits fp32
+    [M, Kc] (written if STORE_DL: the bias gradient).
     """
-    M, Kc = cand.shape
-    NG, U = triton.cdiv(M, group), min(group, M) * Kc
-    valid = (cand >= 0) & (cand < vocab)
-    g_of_row = torch.arange(M, device=cand.device) // group
-    key = (g_of_row[:, None] * (vocab + 1) + torch.where(valid, cand.long(), vocab)).flatten()
-    if NG * (vocab + 1) < 2 ** 31:
-        key = key.int()                                        # a radix sort over half the key bits
-    sk, perm = torch.sort(key)
-    # group g's keys are exactly sorted positions g * group * Kc .. (its rows all come before the next group's)
-    first = torch.ones_like(sk, dtype=torch.bool)
-    first[1:] = sk[1:] != sk[:-1]
-    uid = torch.cumsum(first, 0) - 1                           # distinct-key index of each sorted key
-    starts = torch.arange(NG, device=cand.device) * (group * Kc)
-    ends = torch.clamp(starts + group * Kc, max=M * Kc) - 1
-    base = uid[starts]                                         # [NG] first distinct index of each group
-    count = (uid[ends] - base + 1).to(torch.int32)
-    sk = sk.long()
-    ug, ut = sk // (vocab + 1), sk % (vocab + 1)
-    local = uid - base[ug]                                     # index in the group's union
-    flat = torch.full((NG * U + 1,), -1, dtype=torch.long, device=cand.device)
-    # one write per distinct key; repeats go to a spare last entry that is cut off
-    flat[torch.where(first, ug * U + local, NG * U)] = torch.where(ut < vocab, ut, -1)
-    pos = torch.empty_like(local)
-    pos[perm] = local
-    pos = torch.where(valid, pos.view(M, Kc), -1)
-    if not entries:
-        return flat[:NG * U].view(NG, U), pos, count
-    offs = (ends + 1).to(torch.int32)[:, None].repeat(1, U + 2).flatten()           # one spare last entry
-    where = torch.where(first, ug * (U + 2) + local, NG * (U + 2) - 1)
-    offs[where] = torch.arange(M * Kc, device=cand.device, dtype=torch.int32)
-    offs = offs.view(NG, U + 2)[:, :U + 1].contiguous()
-    return flat[:NG * U].view(NG, U), pos, count, perm, local.to(torch.int32), offs
+    r = tl.program_id(0).to(tl.int64)
+    m = row0 + r
+    o_c = tl.arange(0, BK)
+    p = tl.load(pos + m * Kc + o_c, mask=o_c < Kc, other=-1)
+    valid = p >= 0
+    g = tl.load(gout + m * s_gm + o_c * s_gc, mask=valid, other=0.).to(tl.float32)
+    lp = tl.load(logprobs + m * Kc + o_c, mask=valid, other=float("-inf"))
+    dl = g - tl.exp(lp) * tl.sum(g, 0)                                                  # 0 at pads
+    if STORE_DL:
+        tl.store(dlogits + m * Kc + o_c, dl, mask=o_c < Kc)
+    tl.atomic_add(dscores + ((r // G) * GQ + r % G) * U + tl.where(valid, p, 0), dl * inv_t, mask=valid,
+                  sem="relaxed")
 
 
 def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     """Launch parameters: GQ (query rows padded to a power of 2 >= 16), the union and hidden blocks of the
     forward (fwd_bu, fwd_bd) and of the backward (bwd_bu, bwd_bd), warps and pipeline stages, bwd_ids_ahead
     (see `grouped_hidden_grad_kernel`) and bwd_gather: the backward through the per-candidate gather kernel
-    (`candidate_hidden_grad`) instead of the union, bwd_gather_tuning: that kernel's own overrides (a dict),
-    bwd_builder: the union backward's score gradient built by `union_scores_grad_kernel` from the sorted
-    candidates (else a zeroed fp32 scratch, index_put with atomics and a bf16 copy; session 10, not timed yet).
-    Default: blocks of up to 64 (128 for the backward's hidden), 8 warps from 64 query rows up, and the gather
-    backward. H200, Qwen3.6-27B head, 1024 rows x 15 x 512
-    replayed candidates, forward + backward (benchmarks/results/grouped_scoring_h200.json): 4 rows per group
-    22.8 ms with the gather backward, 23.9 with the union's (ids ahead; 31.7 without), gather kernels 25.5.
-    `tuning` overrides any of them (benchmarks)."""
+    (`candidate_hidden_grad`) instead of the union, bwd_gather_tuning: that kernel's own overrides (a dict).
+    Default: the forward in blocks of up to 64 x 64, the union backward in 32 union rows x 512 hidden columns
+    (256 from 128 query rows up), 8 warps from 64 query rows up. The wide hidden blocks matter: each of a group's
+    Dm / bwd_bd programs reads the group's whole score gradient through L2, which ncu found 93% busy with
+    128-column blocks. H200, Qwen3.6-27B head, 1024 rows x 15 x 512 replayed candidates, 4 rows per group,
+    forward + backward (benchmarks/results/grouped_scoring_h200.json, session 11): 14.5 ms with 32 x 512 blocks,
+    15.1 with 64 x 128, 18.2 with the gather backward. `tuning` overrides any of them (benchmarks)."""
     GQ = max(16, triton.next_power_of_2(group))
     BU, BD = min(64, max(16, triton.next_power_of_2(U))), min(64, max(16, triton.next_power_of_2(Dm)))
-    cfg = dict(GQ=GQ, fwd_bu=BU, fwd_bd=BD, bwd_bu=BU, bwd_bd=min(128, 2 * BD), warps=8 if GQ >= 64 else 4,
-               stages=3, bwd_ids_ahead=True, bwd_gather=True, bwd_gather_tuning=None, bwd_builder=True)
+    cfg = dict(GQ=GQ, fwd_bu=BU, fwd_bd=BD, bwd_bu=min(32, BU),
+               bwd_bd=min(512 if GQ <= 64 else 256, max(16, triton.next_power_of_2(Dm))),
+               warps=8 if GQ >= 64 else 4, stages=3, bwd_ids_ahead=True, bwd_gather=False, bwd_gather_tuning=None)
     unknown = set(tuning or {}) - (set(cfg) - {"GQ"})
     if unknown:
         raise ValueError(f"unknown tuning keys {sorted(unknown)}; expected some of {sorted(set(cfg) - {'GQ'})}")
@@ -210,24 +192,18 @@ def _dot_prec(precision: str) -> str:
     return "tf32" if precision == "bf16" else precision
 
 
-def _scratch_rows(n: int, group: int, GQ: int, device) -> torch.Tensor:
-    """[n] row of the flattened [groups, GQ, U] scratch for each of n consecutive query rows."""
-    q = torch.arange(n, device=device)
-    return (q // group) * GQ + q % group
-
-
 class _GroupedCandidateLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, cand, bias, inv_t, group, precision, chunk_bytes, tuning):
         M, Kc = cand.shape
         Dm, V = weight.shape[1], weight.shape[0]
         cfg = _config(min(group, M) * Kc, Dm, group, tuning)
-        build = not cfg["bwd_gather"] and cfg["bwd_builder"]
-        union, pos, count, *sorted_cands = group_union(cand, group, V, entries=build)
+        union, pos, count = group_union(cand, group, V)
         NG, U = union.shape
-        GQ = cfg["GQ"]
+        GQ, BK = cfg["GQ"], max(16, triton.next_power_of_2(Kc))
         chunk = max(1, chunk_bytes // (GQ * U * 4))                          # groups per scratch chunk
-        logits = torch.empty(M, Kc, dtype=torch.float32, device=hidden.device)
+        inv_t = 1.0 if inv_t is None else inv_t
+        logprobs = torch.empty(M, Kc, dtype=torch.float32, device=hidden.device)
         for g0 in range(0, NG, chunk):
             g1 = min(NG, g0 + chunk)
             r0, r1 = g0 * group, min(M, g1 * group)
@@ -237,60 +213,48 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
                 U, Dm, V,
                 G=group, GQ=GQ, BU=cfg["fwd_bu"], BD=cfg["fwd_bd"], DOT_PREC=_dot_prec(precision),
                 num_warps=cfg["warps"], num_stages=cfg["stages"])
-            srow = _scratch_rows(r1 - r0, group, GQ, hidden.device)
-            logits[r0:r1] = S.view(-1)[srow[:, None] * U + pos[r0:r1].clamp(min=0)]
-        logits = logits * (1.0 if inv_t is None else inv_t)
-        if bias is not None:
-            logits = logits + bias.float()
-        logits = logits.masked_fill(pos < 0, float("-inf"))
-        lse = torch.logsumexp(logits, -1, keepdim=True)
-        logprobs = torch.where(pos >= 0, logits - torch.where(torch.isfinite(lse), lse, 0.0), float("-inf"))
-        ctx.save_for_backward(weight, union, count, pos, logprobs, cand, *sorted_cands)
+            grouped_logprobs_kernel[(r1 - r0,)](S, pos, bias, logprobs, r0, Kc, U, inv_t, G=group, GQ=GQ, BK=BK,
+                                                HAS_BIAS=bias is not None, num_warps=4)
+        ctx.save_for_backward(weight, union, count, pos, logprobs, cand)
         ctx.inv_t, ctx.hidden_dtype, ctx.group = inv_t, hidden.dtype, group
         ctx.cfg, ctx.chunk, ctx.precision = cfg, chunk, precision
         return logprobs
 
     @staticmethod
     def backward(ctx, g):
-        weight, union, count, pos, logprobs, cand, *sorted_cands = ctx.saved_tensors
-        g = torch.where(pos >= 0, g.float(), 0.0)
-        dlogits = g - torch.exp(logprobs) * g.sum(-1, keepdim=True)           # exp(-inf) = 0 at pads
-        dhidden = None
-        if ctx.needs_input_grad[0] and ctx.cfg["bwd_gather"]:
-            inv_t = 1.0 if ctx.inv_t is None else ctx.inv_t
-            dhidden = candidate_hidden_grad(dlogits.contiguous(), weight, cand, inv_t, ctx.hidden_dtype,
-                                            ctx.cfg["bwd_gather_tuning"])
-        elif ctx.needs_input_grad[0]:
-            cfg, group, chunk = ctx.cfg, ctx.group, ctx.chunk
-            GQ = cfg["GQ"]
-            M, Dm, V = pos.shape[0], weight.shape[1], weight.shape[0]
-            NG, U = union.shape
-            inv_t = 1.0 if ctx.inv_t is None else ctx.inv_t
-            dhidden = torch.empty(M, Dm, dtype=ctx.hidden_dtype, device=weight.device)
-            for g0 in range(0, NG, chunk):
-                g1 = min(NG, g0 + chunk)
-                r0, r1 = g0 * group, min(M, g1 * group)
-                if sorted_cands:
-                    order, local, offs = sorted_cands
-                    dS = torch.empty(g1 - g0, GQ, U, device=weight.device,
-                                     dtype=torch.bfloat16 if ctx.precision == "bf16" else torch.float32)
-                    union_scores_grad_kernel[(triton.cdiv(U, cfg["bwd_bu"]), g1 - g0)](
-                        dlogits, order, local, offs[g0:g1], count[g0:g1], dS, pos.shape[1], U, inv_t, G=group,
-                        GQ=GQ, BU=cfg["bwd_bu"], BE=32, DOT_PREC="tf32" if ctx.precision == "bf16" else "ieee",
-                        num_warps=4)
-                else:
-                    dS = torch.zeros(g1 - g0, GQ, U, dtype=torch.float32, device=weight.device)
-                    srow = _scratch_rows(r1 - r0, group, GQ, weight.device)
-                    dS.view(-1, U).index_put_((srow[:, None].expand_as(pos[r0:r1]), pos[r0:r1].clamp(min=0)),
-                                              dlogits[r0:r1] * inv_t, accumulate=True)      # 0 at pads
-                    if ctx.precision == "bf16":
-                        dS = dS.to(torch.bfloat16)                  # summed in fp32, then rounded once
-                grouped_hidden_grad_kernel[(triton.cdiv(Dm, cfg["bwd_bd"]), g1 - g0)](
-                    dS, weight, union[g0:g1], count[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
-                    G=group, GQ=GQ, BU=cfg["bwd_bu"], BD=cfg["bwd_bd"], DOT_PREC=_dot_prec(ctx.precision),
-                    IDS_AHEAD=cfg["bwd_ids_ahead"], num_warps=cfg["warps"], num_stages=cfg["stages"])
-        dbias = dlogits if ctx.needs_input_grad[3] else None
-        return dhidden, None, None, dbias, None, None, None, None, None
+        weight, union, count, pos, logprobs, cand = ctx.saved_tensors
+        cfg, group, chunk, inv_t = ctx.cfg, ctx.group, ctx.chunk, ctx.inv_t
+        dhidden = dlogits = None
+        if cfg["bwd_gather"] or not ctx.needs_input_grad[0]:
+            if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
+                g = torch.where(pos >= 0, g.float(), 0.0)
+                dlogits = g - torch.exp(logprobs) * g.sum(-1, keepdim=True)       # exp(-inf) = 0 at pads
+            if ctx.needs_input_grad[0]:
+                dhidden = candidate_hidden_grad(dlogits.contiguous(), weight, cand, inv_t, ctx.hidden_dtype,
+                                                cfg["bwd_gather_tuning"])
+            return dhidden, None, None, dlogits if ctx.needs_input_grad[3] else None, None, None, None, None, None
+        GQ = cfg["GQ"]
+        M, Kc = pos.shape
+        Dm, V = weight.shape[1], weight.shape[0]
+        NG, U = union.shape
+        BK = max(16, triton.next_power_of_2(Kc))
+        dhidden = torch.empty(M, Dm, dtype=ctx.hidden_dtype, device=weight.device)
+        if ctx.needs_input_grad[3]:
+            dlogits = torch.empty(M, Kc, dtype=torch.float32, device=weight.device)
+        for g0 in range(0, NG, chunk):
+            g1 = min(NG, g0 + chunk)
+            r0, r1 = g0 * group, min(M, g1 * group)
+            dS = torch.empty(g1 - g0, GQ, U, dtype=torch.float32, device=weight.device)
+            zero_scores_kernel[(GQ, g1 - g0)](dS, count[g0:g1], U, BZ=1024, num_warps=4)
+            grouped_logits_grad_kernel[(r1 - r0,)](
+                g, g.stride(0), g.stride(1), logprobs, pos, dS, dlogits, r0, Kc, U, inv_t, G=group, GQ=GQ, BK=BK,
+                STORE_DL=dlogits is not None, num_warps=4)
+            grouped_hidden_grad_kernel[(triton.cdiv(Dm, cfg["bwd_bd"]), g1 - g0)](
+                dS, weight, union[g0:g1], count[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
+                G=group, GQ=GQ, BU=cfg["bwd_bu"], BD=cfg["bwd_bd"], DOT_PREC=_dot_prec(ctx.precision),
+                IDS_AHEAD=cfg["bwd_ids_ahead"], ROUND16=ctx.precision == "bf16", num_warps=cfg["warps"],
+                num_stages=cfg["stages"])
+        return dhidden, None, None, dlogits, None, None, None, None, None
 
 
 # Not traced by torch.compile (Triton launches in a loop over scratch chunks): a clean graph break, no host sync.
@@ -306,8 +270,8 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
         weight: [Vocab, Dm], frozen LM-head rows (must not require grad).
         cand: int [M, Kc]; ids < 0 or >= Vocab are pads (-inf, no gradient). Duplicates are separate entries.
         group: query rows per group, 1 to 128 (Weaver: anchors per group x L).
-        bias: fp32 [M, Kc] or None, added after the temperature.  inv_temperature: None (= 1) or a float.
-        precision: the union backward's score-gradient x weight dot (tuning bwd_gather=False): "ieee"
+        bias: [M, Kc] (read as fp32) or None, added after the temperature.  inv_temperature: None (= 1) or a float.
+        precision: the union backward's score-gradient x weight dot: "ieee"
             (fp32), "tf32" (fp32 gradients, tf32 dot) or "bf16" (gradients summed in fp32 and rounded to
             bf16 once, then a bf16 dot at the tensor cores' full rate, as the backward of a bf16 linear
             layer does; needs a bf16 weight and 16-bit hidden); for fp32 hidden also the forward's dot.
@@ -325,8 +289,11 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
     if hidden.dim() != 2 or cand.dim() != 2 or cand.shape[0] != hidden.shape[0] or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden [M, Dm], weight [V, Dm], cand [M, Kc], got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(cand.shape)}")
+    if bias is not None and bias.shape != cand.shape:
+        raise ValueError(f"expected bias of cand's shape {tuple(cand.shape)}, got {tuple(bias.shape)}")
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
     precision = precision or ("ieee" if hidden.dtype == torch.float32 else
                               "bf16" if weight.dtype == torch.bfloat16 else "tf32")
     if precision not in ("ieee", "tf32", "bf16") or (precision == "bf16" and (

@@ -1,0 +1,110 @@
+"""Weaver's small attention: the fused Triton kernel vs the batched-matmul path, forward and forward+backward.
+
+Qwen3.6-27B preset training shape: B = 1024 rows, nh = 8, T = S = 31 (chain mask, L = 15), hd = 128, bf16;
+q, k, v are views of one qkv projection output [B, T, 3, nh, hd] as in `WeaverBlock.qkv`. Per path: rel-RMS
+of o against the float64 reference (first 64 rows), median time per call (CUDA graph; `_timing.time_calls`),
+and the memory floor bytes / 4.8 TB/s (forward: read q, k, v, write o; backward: read q, k, v, do, write
+dq, dk, dv; the fp32 lse is counted too). Paths: `kernel` (kernels.small_attention), `bmm` (eager
+`_small_attention_bmm` of tfm_runtime/models/weaver.py) and `bmm_compiled` (the same under torch.compile, as
+the training step runs it).
+
+    python benchmarks/bench_small_attention.py --out benchmarks/results/small_attention_h200.json
+"""
+import argparse
+import json
+
+import torch
+from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
+
+import kernels.small_attention.triton as sa_triton
+from kernels.small_attention import small_attention, small_attention_ref
+from tfm_runtime.io import atomic_write_json
+from tfm_runtime.models.weaver import _small_attention_bmm
+
+PEAK_BW = 4.8e12
+SWEEP_WARPS = (1, 2, 4, 8)                                                        # --sweep: num_warps of each kernel
+
+
+def chain_mask(L, device):
+    """`Weaver.forward_chain`'s [2L+1, 2L+1] mask."""
+    T = 2 * L + 1
+    mask = torch.zeros(T, T, dtype=torch.bool, device=device)
+    mask[: L + 1, : L + 1] = torch.ones(L + 1, L + 1, dtype=torch.bool, device=device).tril()
+    mask[L + 1:, : L + 1] = True
+    mask[L + 1:, L + 1:] = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+def make_set(B, nh, T, hd, dtype, dev, gen):
+    """One input set: the qkv leaf [B, T, 3, nh, hd] and do [B, nh, T, hd] (a view of [B, T, nh, hd])."""
+    qkv = torch.randn(B, T, 3, nh, hd, generator=gen, device=dev, dtype=dtype).requires_grad_()
+    do = torch.randn(B, T, nh, hd, generator=gen, device=dev, dtype=dtype).transpose(1, 2)
+    return qkv, do
+
+
+def fwd(path, qkv, mask):
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)                                          # [B, nh, T, hd] views
+    return path(q, k, v, mask)
+
+
+def fwd_bwd(path, qkv, do, mask):
+    """dq, dk, dv of the views (not of the qkv leaf: stacking them into [B, T, 3, nh, hd] is no part of either path)."""
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)
+    return torch.autograd.grad(path(q, k, v, mask), (q, k, v), do)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/small_attention_h200.json")
+    ap.add_argument("--rows", type=int, default=1024, help="B (training rows)")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernel at each num_warps of SWEEP_WARPS")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_small_attention needs a CUDA device")
+    dev, dtype, (B, nh, L, hd) = "cuda", torch.bfloat16, (a.rows, 8, 15, 128)
+    T = 2 * L + 1
+    mask = chain_mask(L, dev)[None, None]                                         # [1, 1, T, T]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    tensor_bytes = B * nh * T * hd * dtype.itemsize
+    lse_bytes = B * nh * T * 4
+    sets = [make_set(B, nh, T, hd, dtype, dev, gen) for _ in range(n_copies(4 * tensor_bytes))]
+    floors = dict(fwd=(4 * tensor_bytes + lse_bytes) / PEAK_BW * 1e6,
+                  fwd_bwd=(11 * tensor_bytes + 2 * lse_bytes) / PEAK_BW * 1e6)
+    paths = dict(kernel=small_attention, bmm=_small_attention_bmm,
+                 bmm_compiled=torch.compile(_small_attention_bmm))
+    qkv0 = sets[0][0][:64]
+    ref = small_attention_ref(*qkv0.detach().permute(2, 0, 3, 1, 4), mask)
+    res = dict(env=env_info(), op="small_attention", copy_bandwidth_tbps=copy_bandwidth(),
+               shape=dict(B=B, nh=nh, T=T, S=T, hd=hd, dtype="bfloat16", mask="chain L=15"),
+               peak_assumed=dict(hbm_tbps=PEAK_BW / 1e12), floor_us=floors, paths={})
+    for name, path in paths.items():
+        row = dict(rel_rms=rel_rms(ref, fwd(path, qkv0, mask).detach()))
+        with torch.no_grad():
+            row["fwd"] = time_calls([lambda s=s: fwd(path, s[0], mask) for s in sets])
+        row["fwd_bwd"] = time_calls([lambda s=s: fwd_bwd(path, s[0], s[1], mask) for s in sets])
+        for kind in ("fwd", "fwd_bwd"):
+            row[kind + "_over_floor"] = row[kind]["us"] / floors[kind]
+        res["paths"][name] = row
+        atomic_write_json(a.out, res)                                            # partial results survive a time-out
+    if a.sweep:
+        res["sweep"] = []
+        for which in ("fwd", "bwd"):
+            for warps in SWEEP_WARPS:
+                sa_triton.WARPS_OVERRIDE[which] = warps
+                with torch.no_grad():
+                    t_fwd = time_calls([lambda s=s: fwd(small_attention, s[0], mask) for s in sets])["us"]
+                t_all = time_calls([lambda s=s: fwd_bwd(small_attention, s[0], s[1], mask) for s in sets])["us"]
+                res["sweep"].append(dict(kernel=which, num_warps=warps, fwd_us=t_fwd, fwd_bwd_us=t_all))
+                print(f"sweep {which} num_warps={warps}: fwd {t_fwd:.1f} us, fwd+bwd {t_all:.1f} us")
+            sa_triton.WARPS_OVERRIDE.clear()
+        atomic_write_json(a.out, res)
+    print(f"B={B} nh={nh} T=S={T} hd={hd} bf16; floors: fwd {floors['fwd']:.1f} us, fwd+bwd {floors['fwd_bwd']:.1f} us")
+    print(f"{'path':>13} {'fwd us':>9} {'x floor':>8} {'fwd+bwd us':>11} {'x floor':>8} {'rel-rms':>9}")
+    for name, r in res["paths"].items():
+        print(f"{name:>13} {r['fwd']['us']:>9.1f} {r['fwd_over_floor']:>8.2f} {r['fwd_bwd']['us']:>11.1f} "
+              f"{r['fwd_bwd_over_floor']:>8.2f} {r['rel_rms']:>9.2e}")
+    print(json.dumps(res["env"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -55,11 +55,36 @@ class WeaverConfig:
 
 def small_attention(q, k, v, mask):
     """softmax(q k^T / sqrt(hd), masked) v for the few keys Weaver has (T, S <= ~2L+1+nodes): q [B, nh, T, hd],
-    k, v [B, nh, S, hd], mask [B or 1, 1, T, S] bool (every row sees at least itself) -> [B, nh, T, hd].
+    k, v [B, nh, S, hd], mask bool broadcastable to [B, nh, T, S] (every row sees at least itself) -> [B, nh, T, hd].
+
+    On CUDA with one [T, S] mask for all rows and heads (training, the prefix) and T, S <= 128, hd <= 256: the fused
+    Triton kernel of `kernels.small_attention` (one launch per layer forward and one backward, each reading every
+    q/k/v tile once; cuBLAS ran the batched 31 x 31 products on old cutlass_75 WMMA kernels, 2.2 ms per training
+    step at gb 1024 for the 18 bmm calls). Its o is a view of a [B, T, nh, hd] tensor. Otherwise (CPU, float64,
+    per-row masks of the node steps): `_small_attention_bmm`."""
+    T, S, hd = q.shape[-2], k.shape[-2], q.shape[-1]
+    if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and 0 < T <= 128 and 0 < S <= 128
+            and hd <= 256 and (mask.dim() == 2 or (mask.dim() == 4 and mask.shape[:2] == (1, 1)))):
+        from kernels.small_attention import small_attention as fused_small_attention
+        return fused_small_attention(q, k, v, mask)
+    return _small_attention_bmm(q, k, v, mask)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up = [gate, up] [..., 2F] -> [..., F]. On CUDA the Triton kernel of `kernels.swiglu`
+    (its backward reads gate and up once and writes their gradient in place of a concatenation)."""
+    if gate_up.is_cuda and gate_up.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        from kernels.swiglu import swiglu as fused_swiglu
+        return fused_swiglu(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _small_attention_bmm(q, k, v, mask):
+    """`small_attention` as two batched matmuls and an fp32 softmax that torch.compile fuses (any mask shape).
 
     Written out rather than through scaled_dot_product_attention: the fused kernels tile 64-128 keys, so at
-    T = 31 they ran 3.3 ms per training step (gb 1024, Qwen3.6-27B preset) on padding; here two batched
-    matmuls and an fp32 softmax that torch.compile fuses."""
+    T = 31 they ran 3.3 ms per training step (gb 1024, Qwen3.6-27B preset) on padding."""
     scores = q @ k.transpose(-1, -2)                                                    # [B, nh, T, S]
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * q.shape[-1] ** -0.5
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
@@ -88,8 +113,7 @@ class WeaverBlock(nn.Module):
         B, _, T, hd = q.shape
         o = small_attention(q, k, v, mask)
         x = x + self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * hd))
-        gate, up = self.gate_up_proj(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self.down_proj(swiglu(self.gate_up_proj(self.mlp_norm(x))))
 
 
 class WeaverState:

@@ -1,0 +1,101 @@
+"""SwiGLU of a fused gate-up projection, y = silu(x[:, :F]) * x[:, F:], one pass each way (Triton).
+
+The backward reads gate, up and dy once and writes the gradient straight into x's [N, 2F] layout, so nothing is
+concatenated. torch.compile's fused pointwise backward computed each half of that gradient on its own and so
+read gate and up twice (H200, Weaver at the Qwen3.6-27B preset, 1024 rows: 450 us per layer, where the bytes
+take about 250). Registered as the custom op `tfm::swiglu`: torch.compile keeps it whole, without a graph break.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def swiglu_fwd_kernel(x, y, N, F, BN: tl.constexpr, BF: tl.constexpr):
+    """y[n, f] = silu(x[n, f]) * x[n, F + f] for a [BN, BF] tile; grid (cdiv(N, BN), cdiv(F, BF)).
+    x [N, 2F], y [N, F], both row-major; math in fp32, one rounding to y's dtype."""
+    o_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    o_f = tl.program_id(1) * BF + tl.arange(0, BF)
+    m = (o_n < N)[:, None] & (o_f < F)[None, :]
+    p_x = x + o_n[:, None] * (2 * F) + o_f[None, :]
+    g = tl.load(p_x, mask=m, other=0.).to(tl.float32)
+    u = tl.load(p_x + F, mask=m, other=0.).to(tl.float32)
+    tl.store(y + o_n[:, None] * F + o_f[None, :], (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def swiglu_bwd_kernel(x, dy, dx, N, F, BN: tl.constexpr, BF: tl.constexpr):
+    """dx[n, f] = dy * up * silu'(gate), dx[n, F + f] = dy * silu(gate) for a [BN, BF] tile (gate = x[n, f],
+    up = x[n, F + f], dy = dy[n, f], silu'(g) = s (1 + g (1 - s)), s = sigmoid(g)). x, dx [N, 2F], dy [N, F]."""
+    o_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    o_f = tl.program_id(1) * BF + tl.arange(0, BF)
+    m = (o_n < N)[:, None] & (o_f < F)[None, :]
+    p_x = x + o_n[:, None] * (2 * F) + o_f[None, :]
+    g = tl.load(p_x, mask=m, other=0.).to(tl.float32)
+    u = tl.load(p_x + F, mask=m, other=0.).to(tl.float32)
+    d = tl.load(dy + o_n[:, None] * F + o_f[None, :], mask=m, other=0.).to(tl.float32)
+    s = tl.sigmoid(g)
+    p_dx = dx + o_n[:, None] * (2 * F) + o_f[None, :]
+    tl.store(p_dx, (d * u * s * (1 + g * (1 - s))).to(dx.dtype.element_ty), mask=m)
+    tl.store(p_dx + F, (d * g * s).to(dx.dtype.element_ty), mask=m)
+
+
+def _grid(N: int, F: int, BN: int, BF: int) -> tuple[int, int]:
+    return triton.cdiv(N, BN), triton.cdiv(F, BF)
+
+
+@torch.library.custom_op("tfm::swiglu", mutates_args=())
+def _swiglu(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    N, F = x2.shape[0], x2.shape[1] // 2
+    y = torch.empty(N, F, dtype=x.dtype, device=x.device)
+    BN, BF = 4, min(1024, triton.next_power_of_2(F))
+    swiglu_fwd_kernel[_grid(N, F, BN, BF)](x2, y, N, F, BN=BN, BF=BF, num_warps=8)
+    return y.view(*x.shape[:-1], F)
+
+
+@_swiglu.register_fake
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.custom_op("tfm::swiglu_backward", mutates_args=())
+def _swiglu_backward(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    N, F = x2.shape[0], x2.shape[1] // 2
+    dy2 = dy.reshape(N, F).contiguous()
+    dx = torch.empty_like(x2)
+    BN, BF = 4, min(1024, triton.next_power_of_2(F))
+    swiglu_bwd_kernel[_grid(N, F, BN, BF)](x2, dy2, dx, N, F, BN=BN, BF=BF, num_warps=8)
+    return dx.view(x.shape)
+
+
+@_swiglu_backward.register_fake
+def _(x, dy):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx, dy):
+    return _swiglu_backward(ctx.saved_tensors[0], dy)
+
+
+_swiglu.register_autograd(_backward, setup_context=_setup_context)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x = [gate, up] along the last dim (differentiable in x).
+
+    Args:
+        x: [..., 2F] fp16 / bf16 / fp32 on a Triton device (the output of a fused gate-up projection).
+    Returns:
+        y: [..., F] of x's dtype (math in fp32, rounded once).
+    """
+    if x.dim() < 1 or x.shape[-1] % 2 or x.shape[-1] == 0:
+        raise ValueError(f"swiglu expects x [..., 2F] with an even, non-zero last dim, got {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"swiglu expects fp16, bf16 or fp32, got {x.dtype}")
+    return _swiglu(x)

@@ -19,20 +19,10 @@ from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
 import kernels.small_attention.triton as sa_triton
 from kernels.small_attention import small_attention, small_attention_ref
 from tfm_runtime.io import atomic_write_json
-from tfm_runtime.models.weaver import _small_attention_bmm
+from tfm_runtime.models.weaver import _small_attention_bmm, chain_mask
 
 PEAK_BW = 4.8e12
 SWEEP_WARPS = (1, 2, 4, 8)                                                        # --sweep: num_warps of each kernel
-
-
-def chain_mask(L, device):
-    """`Weaver.forward_chain`'s [2L+1, 2L+1] mask."""
-    T = 2 * L + 1
-    mask = torch.zeros(T, T, dtype=torch.bool, device=device)
-    mask[: L + 1, : L + 1] = torch.ones(L + 1, L + 1, dtype=torch.bool, device=device).tril()
-    mask[L + 1:, : L + 1] = True
-    mask[L + 1:, L + 1:] = torch.ones(L, L, dtype=torch.bool, device=device).tril()
-    return mask
 
 
 def make_set(B, nh, T, hd, dtype, dev, gen):

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 
 from kernels.small_attention import small_attention, small_attention_ref  # noqa: E402
 from kernels.small_attention.triton import small_attention_bwd, small_attention_fwd  # noqa: E402
+from tfm_runtime.models.weaver import chain_mask  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
@@ -21,17 +22,6 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 def rel_rms(ref, out):
     assert torch.isfinite(out).all(), "NaN or inf in output"
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
-def chain_mask(L, device="cpu"):
-    """The training mask of `Weaver.forward_chain`: [2L+1, 2L+1] bool (prefix causal; chain nodes see the whole
-    prefix and the chain causally)."""
-    T = 2 * L + 1
-    mask = torch.zeros(T, T, dtype=torch.bool, device=device)
-    mask[: L + 1, : L + 1] = torch.ones(L + 1, L + 1, dtype=torch.bool, device=device).tril()
-    mask[L + 1:, : L + 1] = True
-    mask[L + 1:, L + 1:] = torch.ones(L, L, dtype=torch.bool, device=device).tril()
-    return mask
 
 
 def make_mask(kind, T, S, gen, device="cpu"):

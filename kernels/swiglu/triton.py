@@ -11,15 +11,22 @@ import triton.language as tl
 
 
 @triton.jit
-def swiglu_fwd_kernel(x, y, N, F, BN: tl.constexpr, BF: tl.constexpr):
-    """y[n, f] = silu(x[n, f]) * x[n, F + f] for a [BN, BF] tile; grid (cdiv(N, BN), cdiv(F, BF)).
-    x [N, 2F], y [N, F], both row-major; math in fp32, one rounding to y's dtype."""
+def _gate_up_tile(x, N, F, BN: tl.constexpr, BF: tl.constexpr):
+    """The [BN, BF] tile of this program: (gate, up) fp32, its row and column offsets and its in-range mask."""
     o_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     o_f = tl.program_id(1) * BF + tl.arange(0, BF)
     m = (o_n < N)[:, None] & (o_f < F)[None, :]
     p_x = x + o_n[:, None] * (2 * F) + o_f[None, :]
     g = tl.load(p_x, mask=m, other=0.).to(tl.float32)
     u = tl.load(p_x + F, mask=m, other=0.).to(tl.float32)
+    return g, u, o_n, o_f, m
+
+
+@triton.jit
+def swiglu_fwd_kernel(x, y, N, F, BN: tl.constexpr, BF: tl.constexpr):
+    """y[n, f] = silu(x[n, f]) * x[n, F + f] for a [BN, BF] tile; grid (cdiv(N, BN), cdiv(F, BF)).
+    x [N, 2F], y [N, F], both row-major; math in fp32, one rounding to y's dtype."""
+    g, u, o_n, o_f, m = _gate_up_tile(x, N, F, BN, BF)
     tl.store(y + o_n[:, None] * F + o_f[None, :], (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
 
 
@@ -27,12 +34,7 @@ def swiglu_fwd_kernel(x, y, N, F, BN: tl.constexpr, BF: tl.constexpr):
 def swiglu_bwd_kernel(x, dy, dx, N, F, BN: tl.constexpr, BF: tl.constexpr):
     """dx[n, f] = dy * up * silu'(gate), dx[n, F + f] = dy * silu(gate) for a [BN, BF] tile (gate = x[n, f],
     up = x[n, F + f], dy = dy[n, f], silu'(g) = s (1 + g (1 - s)), s = sigmoid(g)). x, dx [N, 2F], dy [N, F]."""
-    o_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
-    o_f = tl.program_id(1) * BF + tl.arange(0, BF)
-    m = (o_n < N)[:, None] & (o_f < F)[None, :]
-    p_x = x + o_n[:, None] * (2 * F) + o_f[None, :]
-    g = tl.load(p_x, mask=m, other=0.).to(tl.float32)
-    u = tl.load(p_x + F, mask=m, other=0.).to(tl.float32)
+    g, u, o_n, o_f, m = _gate_up_tile(x, N, F, BN, BF)
     d = tl.load(dy + o_n[:, None] * F + o_f[None, :], mask=m, other=0.).to(tl.float32)
     s = tl.sigmoid(g)
     p_dx = dx + o_n[:, None] * (2 * F) + o_f[None, :]

@@ -70,6 +70,17 @@ def small_attention(q, k, v, mask):
     return _small_attention_bmm(q, k, v, mask)
 
 
+def chain_mask(L: int, device=None) -> torch.Tensor:
+    """The attention mask of `Weaver.forward_chain`: [2L+1, 2L+1] bool over (prefix 0..L, chain nodes 1..L); the prefix
+    is causal, each chain node sees the whole prefix and the chain nodes up to itself."""
+    T = 2 * L + 1
+    mask = torch.zeros(T, T, dtype=torch.bool, device=device)
+    mask[: L + 1, : L + 1] = torch.ones(L + 1, L + 1, dtype=torch.bool, device=device).tril()
+    mask[L + 1:, : L + 1] = True
+    mask[L + 1:, L + 1:] = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    return mask
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up = [gate, up] [..., 2F] -> [..., F]. On CUDA the Triton kernel of `kernels.swiglu`
     (its backward reads gate and up once and writes their gradient in place of a concatenation)."""
@@ -233,11 +244,7 @@ class Weaver(nn.Module):
         p = self.proposal_in(self.output_norm(torch.cat([h_final[:, None], u], dim=1)))  # [B, 1+L, r]
         n = self.token_in(self.embed_norm(F.embedding(chain_tokens, embed_weight)))      # [B, L, r]
         x = torch.cat([p, n], dim=1)                                                     # [B, 1+2L, r]
-        T = 2 * L + 1
-        mask = torch.zeros(T, T, dtype=torch.bool, device=dev)
-        mask[: L + 1, : L + 1] = torch.ones(L + 1, L + 1, dtype=torch.bool, device=dev).tril()
-        mask[L + 1:, : L + 1] = True
-        mask[L + 1:, L + 1:] = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+        mask = chain_mask(L, dev)
         for blk in self.blocks:
             q, k, v = blk.qkv(x, cos, sin)
             x = blk.finish(x, q, k, v, mask[None, None])

@@ -22,12 +22,11 @@ from tfm_runtime.io import atomic_write_json
 
 V, D, L, K = 248320, 5120, 15, 512
 # overrides of kernels.candidate_logits.grouped._config, and "precision" of the union backward's dot: the default
-# (session 11: union backward in 32 union rows x 512 hidden columns, the next block's ids read ahead, bf16 score
-# gradient scattered by atomics), then one setting changed at a time, the gather backward (the default of
-# sessions 7-10), session 10's union blocks (64 x 128) and an fp32 score gradient rounded in the dot
+# (session 11: union backward in 32 union rows x 512 hidden columns, the next block's ids read ahead, fp32 score
+# gradient scattered by atomics and rounded to bf16 in the dot), then one setting changed at a time, the gather
+# backward (the default of sessions 7-10) and session 10's union blocks (64 x 128)
 SWEEP = [{}, dict(bwd_ids_ahead=False), dict(bwd_bu=16), dict(bwd_bd=256), dict(bwd_bd=256, bwd_ids_ahead=False),
-         dict(stages=4), dict(bwd_gather=True), dict(bwd_bu=64, bwd_bd=128), dict(precision="tf32"),
-         dict(bwd_dscores16=False)]
+         dict(stages=4), dict(bwd_gather=True), dict(bwd_bu=64, bwd_bd=128), dict(precision="tf32")]
 
 
 def profile(fn, q, iters=3):

@@ -64,7 +64,7 @@ def grouped_hidden_grad_kernel(dscores, weight, union, count, dhidden, s_wv, M, 
     """dhidden[g G + q, d-block] = sum_u dscores[g, q, u] weight[union[g, u], d-block].
 
     dscores fp32: an fp32 dot of `DOT_PREC`, or with ROUND16 each tile rounded to the weight's 16-bit dtype for a
-    16-bit dot (fp32 sums), as the backward of a 16-bit linear layer does; or already of the weight's dtype.
+    16-bit dot (fp32 sums), as the backward of a 16-bit linear layer does.
 
     Grid (cdiv(Dm, BD), groups): a group's programs run next to each other and share its dscores
     through L2. dscores [groups, GQ, U], read only below count; count int32 [groups] (union entries in use;
@@ -128,14 +128,14 @@ def grouped_logprobs_kernel(scores, pos, bias, logprobs, row0, Kc, U, inv_t, G: 
 
 @triton.jit
 def zero_scores_kernel(dscores, count, U, BZ: tl.constexpr):
-    """dscores[g, q, :count[g]] = 0 for every row q. Grid (GQ, groups of this chunk); dscores fp32 or bf16
-    [groups, GQ, U] (the entries from count on are never read)."""
+    """dscores[g, q, :count[g]] = 0 for every row q. Grid (GQ, groups of this chunk); dscores fp32 [groups, GQ, U]
+    (the entries from count on are never read)."""
     q, g = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     n = tl.load(count + g)
     row = dscores + (g * tl.num_programs(0) + q) * U
     for u0 in range(0, n, BZ):
         o_u = u0 + tl.arange(0, BZ)
-        tl.store(row + o_u, tl.zeros([BZ], dtype=dscores.dtype.element_ty), mask=o_u < n)
+        tl.store(row + o_u, tl.zeros([BZ], dtype=tl.float32), mask=o_u < n)
 
 
 @triton.jit
@@ -147,9 +147,8 @@ def grouped_logits_grad_kernel(gout, s_gm, s_gc, logprobs, pos, dscores, dlogits
         dscores[r // G, r % G, pos[m, c]] += inv_t * dl[c]                          (atomic: duplicate ids add up)
 
     gout [M, Kc] (strides s_gm, s_gc; any float dtype); logprobs fp32 [M, Kc]; pos int32 [M, Kc] (-1 = pad);
-    dscores [groups, GQ, U] of this chunk, zeroed up to each group's count (`zero_scores_kernel`): fp32, or bf16
-    (each entry rounded once, as a bf16 linear layer's gradient; a duplicate id of a row adds in bf16); dlogits
-    fp32 [M, Kc] (written if STORE_DL: the bias gradient).
+    dscores fp32 [groups, GQ, U] of this chunk, zeroed up to each group's count (`zero_scores_kernel`); dlogits fp32
+    [M, Kc] (written if STORE_DL: the bias gradient).
     """
     r = tl.program_id(0).to(tl.int64)
     m = row0 + r
@@ -161,17 +160,15 @@ def grouped_logits_grad_kernel(gout, s_gm, s_gc, logprobs, pos, dscores, dlogits
     dl = g - tl.exp(lp) * tl.sum(g, 0)                                                  # 0 at pads
     if STORE_DL:
         tl.store(dlogits + m * Kc + o_c, dl, mask=o_c < Kc)
-    tl.atomic_add(dscores + ((r // G) * GQ + r % G) * U + tl.where(valid, p, 0),
-                  (dl * inv_t).to(dscores.dtype.element_ty), mask=valid, sem="relaxed")
+    tl.atomic_add(dscores + ((r // G) * GQ + r % G) * U + tl.where(valid, p, 0), dl * inv_t, mask=valid,
+                  sem="relaxed")
 
 
 def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     """Launch parameters: GQ (query rows padded to a power of 2 >= 16), the union and hidden blocks of the
     forward (fwd_bu, fwd_bd) and of the backward (bwd_bu, bwd_bd), warps and pipeline stages, bwd_ids_ahead
     (see `grouped_hidden_grad_kernel`) and bwd_gather: the backward through the per-candidate gather kernel
-    (`candidate_hidden_grad`) instead of the union, bwd_gather_tuning: that kernel's own overrides (a dict),
-    bwd_dscores16: in precision "bf16", the score gradient is scattered into a bf16 scratch (else fp32, rounded
-    in the hidden gradient's dot: twice the L2 reads).
+    (`candidate_hidden_grad`) instead of the union, bwd_gather_tuning: that kernel's own overrides (a dict).
     Default: the forward in blocks of up to 64 x 64, the union backward in 32 union rows x 512 hidden columns
     (256 from 128 query rows up), 8 warps from 64 query rows up. The wide hidden blocks matter: each of a group's
     Dm / bwd_bd programs reads the group's whole score gradient through L2, which ncu found 93% busy with
@@ -182,8 +179,7 @@ def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
     BU, BD = min(64, max(16, triton.next_power_of_2(U))), min(64, max(16, triton.next_power_of_2(Dm)))
     cfg = dict(GQ=GQ, fwd_bu=BU, fwd_bd=BD, bwd_bu=min(32, BU),
                bwd_bd=min(512 if GQ <= 64 else 256, max(16, triton.next_power_of_2(Dm))),
-               warps=8 if GQ >= 64 else 4, stages=3, bwd_ids_ahead=True, bwd_gather=False, bwd_gather_tuning=None,
-               bwd_dscores16=True)
+               warps=8 if GQ >= 64 else 4, stages=3, bwd_ids_ahead=True, bwd_gather=False, bwd_gather_tuning=None)
     unknown = set(tuning or {}) - (set(cfg) - {"GQ"})
     if unknown:
         raise ValueError(f"unknown tuning keys {sorted(unknown)}; expected some of {sorted(set(cfg) - {'GQ'})}")
@@ -248,8 +244,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
         for g0 in range(0, NG, chunk):
             g1 = min(NG, g0 + chunk)
             r0, r1 = g0 * group, min(M, g1 * group)
-            dS = torch.empty(g1 - g0, GQ, U, dtype=torch.bfloat16 if ctx.precision == "bf16" and cfg["bwd_dscores16"]
-                             else torch.float32, device=weight.device)
+            dS = torch.empty(g1 - g0, GQ, U, dtype=torch.float32, device=weight.device)
             zero_scores_kernel[(GQ, g1 - g0)](dS, count[g0:g1], U, BZ=1024, num_warps=4)
             grouped_logits_grad_kernel[(r1 - r0,)](
                 g, g.stride(0), g.stride(1), logprobs, pos, dS, dlogits, r0, Kc, U, inv_t, G=group, GQ=GQ, BK=BK,

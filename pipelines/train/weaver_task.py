@@ -163,7 +163,11 @@ def save_weaver(weaver: Weaver, path: str, contract, step: int, metrics: dict | 
 
 def flops_per_row(wcfg: WeaverConfig) -> float:
     """Training FLOPs per anchor row (forward + backward = 3x forward) of a teacher-forced chain: the 2L+1 token
-    positions through the blocks, the attention scores, and the K candidate-row scores per depth."""
+    positions through the blocks, the attention scores, and the K candidate-row scores per depth.
+
+    The usual MFU convention (6 FLOPs per parameter per token, plus attention, all at 3x the forward). The step
+    executes 4.3% fewer at the Qwen3.6-27B preset: the two input projections need no input gradient (their
+    inputs are data and the frozen embedding) and the frozen LM head's candidate scores no weight gradient."""
     r, m, L, K, d = wcfg.d_rank, wcfg.mlp_dim, wcfg.lookahead, wcfg.candidate_pool, wcfg.d_model
     T = 2 * L + 1
     per_token = 2 * (4 * r * r + 3 * r * m)

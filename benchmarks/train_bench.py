@@ -210,7 +210,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--step-scoring", choices=["gather", "grouped"], default="grouped",
                     help="candidate scoring inside the training step: per-candidate gathers, or grouped "
                          "(--score-group rows per group; the train config's score_group_rows)")
-    ap.add_argument("--score-tuning", help='with --step-scoring grouped: launch overrides as JSON, e.g. {"bwd_gather_tuning": {"prefetch": true}}')
+    ap.add_argument("--score-tuning", help='with --step-scoring grouped: launch overrides as JSON, e.g. {"bwd_gather": true}')
     ap.add_argument("--compile", action="store_true", help="torch.compile the objective's forward (as the train config's compile: auto does on GPU)")
     ap.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                     default="default", help="torch.compile mode with --compile (reduce-overhead: CUDA graphs for the "
@@ -219,10 +219,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--trace", help="with --profile: also write the chrome trace of the profiled steps here")
     ap.add_argument("--sync-debug", action="store_true",
                     help="run one step under CUDA's sync debug mode and print where the host waits on the GPU")
-    ap.add_argument("--reference-peak-tflops", type=float, default=785.0,
+    ap.add_argument("--reference-peak-tflops", type=float, default=808.0,
                     help="a fixed MFU denominator per GPU, reported beside this machine's measured matmul rate (which "
-                         "moved between 652 and 785 TFLOP/s over H200s of sessions 7-9). Default: 785, the best "
-                         "measured on an H200 here (the dense bf16 spec is 989)")
+                         "moved between 652 and 808 TFLOP/s over H200s of sessions 7-11). Default: 808, the best "
+                         "measured on an H200 here (session 11; the dense bf16 spec is 989)")
     ap.add_argument("--out", help="write the JSON result here (rank 0)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

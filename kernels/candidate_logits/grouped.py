@@ -1,4 +1,4 @@
-"""Candidate log-probs with LM-head rows shared across a group of query rows (training, experimental).
+"""Candidate log-probs with LM-head rows shared across a group of query rows (training).
 
 `candidate_log_probs` gathers weight[cand[m, c]] once per (query m, candidate c): M*Kc*Dm elements each way.
 Real candidate sets overlap: a Weaver row's 15 depths, and neighbouring rows, propose many of the same tokens

@@ -143,7 +143,7 @@ class Weaver(nn.Module):
     # score() gathers LM-head rows with the Triton kernels on CUDA; False forces weight[cand] + bmm (benchmarks)
     use_candidate_kernels: bool = True
     # > 0: training scores groups of this many rows (x L depths) over their distinct LM-head rows
-    # (kernels/candidate_logits/grouped.py, experimental); 0: one gather per (row, depth, candidate)
+    # (kernels/candidate_logits/grouped.py; the trainer sets 4); 0: one gather per (row, depth, candidate)
     candidate_group_rows: int = 0
     # launch overrides of the grouped scoring (keys of kernels/candidate_logits/grouped.py's _config; benchmarks)
     candidate_group_tuning: dict | None = None

@@ -42,17 +42,19 @@ def swiglu_bwd_kernel(x, dy, dx, N, F, BN: tl.constexpr, BF: tl.constexpr):
     tl.store(p_dx + F, (d * g * s).to(dx.dtype.element_ty), mask=m)
 
 
-def _grid(N: int, F: int, BN: int, BF: int) -> tuple[int, int]:
-    return triton.cdiv(N, BN), triton.cdiv(F, BF)
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, int], dict]:
+    """x [..., 2F] -> (x as contiguous [N, 2F], N, F, the launch grid, the tile constants)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    N, F = x2.shape[0], x2.shape[1] // 2
+    BN, BF = 4, min(1024, triton.next_power_of_2(F))
+    return x2, N, F, (triton.cdiv(N, BN), triton.cdiv(F, BF)), dict(BN=BN, BF=BF, num_warps=8)
 
 
 @torch.library.custom_op("tfm::swiglu", mutates_args=())
 def _swiglu(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    N, F = x2.shape[0], x2.shape[1] // 2
+    x2, N, F, grid, meta = _rows(x)
     y = torch.empty(N, F, dtype=x.dtype, device=x.device)
-    BN, BF = 4, min(1024, triton.next_power_of_2(F))
-    swiglu_fwd_kernel[_grid(N, F, BN, BF)](x2, y, N, F, BN=BN, BF=BF, num_warps=8)
+    swiglu_fwd_kernel[grid](x2, y, N, F, **meta)
     return y.view(*x.shape[:-1], F)
 
 
@@ -63,12 +65,9 @@ def _(x):
 
 @torch.library.custom_op("tfm::swiglu_backward", mutates_args=())
 def _swiglu_backward(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    N, F = x2.shape[0], x2.shape[1] // 2
-    dy2 = dy.reshape(N, F).contiguous()
+    x2, N, F, grid, meta = _rows(x)
     dx = torch.empty_like(x2)
-    BN, BF = 4, min(1024, triton.next_power_of_2(F))
-    swiglu_bwd_kernel[_grid(N, F, BN, BF)](x2, dy2, dx, N, F, BN=BN, BF=BF, num_warps=8)
+    swiglu_bwd_kernel[grid](x2, dy.reshape(N, F).contiguous(), dx, N, F, **meta)
     return dx.view(x.shape)
 
 

@@ -14,8 +14,8 @@ import json
 import torch
 from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
 
-from kernels.candidate_logits.ref import candidate_logits_full_head, candidate_logits_gather, candidate_logits_ref
-from kernels.candidate_logits.triton import candidate_logits, candidate_logits_fwd, pick_config
+from tfm_kernels.candidate_logits.ref import candidate_logits_full_head, candidate_logits_gather, candidate_logits_ref
+from tfm_kernels.candidate_logits.triton import candidate_logits, candidate_logits_fwd, pick_config
 from tfm_runtime.io import atomic_write_json
 
 PEAK_BW = 4.8e12

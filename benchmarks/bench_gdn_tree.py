@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import env_info  # noqa: E402  (also puts the repo root on sys.path)
 from gdn_tree_cases import H, HV, K, V, correctness_matrix, fla_chain_check, make_inputs, rel  # noqa: E402
 
-from kernels.gdn_tree import ref, tree_ancestor_bits, tree_gdn_commit, tree_gdn_verify  # noqa: E402
-from kernels.gdn_tree.verify import _config, root_folded  # noqa: E402
-from kernels.launch import pdl_supported  # noqa: E402
+from tfm_kernels.gdn_tree import ref, tree_ancestor_bits, tree_gdn_commit, tree_gdn_verify  # noqa: E402
+from tfm_kernels.gdn_tree.verify import _config, root_folded  # noqa: E402
+from tfm_kernels.launch import pdl_supported  # noqa: E402
 from tfm_runtime.io import atomic_write_json  # noqa: E402
 
 HBM = 4.8e12

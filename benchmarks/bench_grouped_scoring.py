@@ -16,12 +16,12 @@ import torch
 from _timing import env_info, fwd_bwd_ms  # (also puts the repo root on sys.path)
 
 from benchmarks.train_bench import replay_candidates, union_stats
-from kernels.candidate_logits import candidate_log_probs
-from kernels.candidate_logits.grouped import _config, grouped_candidate_log_probs
+from tfm_kernels.candidate_logits import candidate_log_probs
+from tfm_kernels.candidate_logits.grouped import _config, grouped_candidate_log_probs
 from tfm_runtime.io import atomic_write_json
 
 V, D, L, K = 248320, 5120, 15, 512
-# overrides of kernels.candidate_logits.grouped._config, and "precision" of the union backward's dot: the default
+# overrides of tfm_kernels.candidate_logits.grouped._config, and "precision" of the union backward's dot: the default
 # (session 11: union backward in 32 union rows x 512 hidden columns, the next block's ids read ahead, fp32 score
 # gradient scattered by atomics and rounded to bf16 in the dot), then one setting changed at a time, the gather
 # backward (the default of sessions 7-10) and session 10's union blocks (64 x 128)
@@ -39,7 +39,7 @@ def profile(fn, q, iters=3):
     return {e.key[:90]: round(e.device_time_total / iters / 1e3, 3) for e in rows}
 
 
-# launch configurations of the gather backward (kernels/candidate_logits/grad.py; {} = the default: 8 x 512
+# launch configurations of the gather backward (tfm_kernels/candidate_logits/grad.py; {} = the default: 8 x 512
 # tiles, 4 warps, 3 stages, chosen by session 7's sweeps over 32 x 256 and 16 x 512)
 HIDDEN_GRAD_SWEEP = [{}, dict(block_c=32, block_d=256), dict(block_c=8, block_d=512), dict(block_c=16, block_d=1024),
                      dict(block_c=8, block_d=1024), dict(warps=8, block_c=16, block_d=1024), dict(stages=4),
@@ -55,7 +55,7 @@ def hidden_grad_sweep(weight, cand, iters, sweep=HIDDEN_GRAD_SWEEP):
     largest deviation from the default's output."""
     import statistics
 
-    from kernels.candidate_logits.grad import candidate_hidden_grad
+    from tfm_kernels.candidate_logits.grad import candidate_hidden_grad
     dl = torch.randn(cand.shape, device=cand.device) * 1e-3
     want = candidate_hidden_grad(dl, weight, cand, 1.0, torch.bfloat16)
     out = []

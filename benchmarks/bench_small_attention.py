@@ -4,7 +4,7 @@ Qwen3.6-27B preset training shape: B = 1024 rows, nh = 8, T = S = 31 (chain mask
 q, k, v are views of one qkv projection output [B, T, 3, nh, hd] as in `WeaverBlock.qkv`. Per path: rel-RMS
 of o against the float64 reference (first 64 rows), median time per call (CUDA graph; `_timing.time_calls`),
 and the memory floor bytes / 4.8 TB/s (forward: read q, k, v, write o; backward: read q, k, v, do, write
-dq, dk, dv; the fp32 lse is counted too). Paths: `kernel` (kernels.small_attention), `bmm` (eager
+dq, dk, dv; the fp32 lse is counted too). Paths: `kernel` (tfm_kernels.small_attention), `bmm` (eager
 `_small_attention_bmm` of tfm_runtime/models/weaver.py) and `bmm_compiled` (the same under torch.compile, as
 the training step runs it).
 
@@ -16,8 +16,8 @@ import json
 import torch
 from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
 
-import kernels.small_attention.triton as sa_triton
-from kernels.small_attention import small_attention, small_attention_ref
+import tfm_kernels.small_attention.triton as sa_triton
+from tfm_kernels.small_attention import small_attention, small_attention_ref
 from tfm_runtime.io import atomic_write_json
 from tfm_runtime.models.weaver import _small_attention_bmm, chain_mask
 

@@ -15,9 +15,9 @@ import json
 import torch
 from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
 
-from kernels.tree_attention.ref import tree_attention_ref
-from kernels.tree_attention.triton import pick_config, tree_attention, tree_attention_fwd
-from kernels.tree_utils import ancestor_mask, pack_bits
+from tfm_kernels.tree_attention.ref import tree_attention_ref
+from tfm_kernels.tree_attention.triton import pick_config, tree_attention, tree_attention_fwd
+from tfm_kernels.tree_utils import ancestor_mask, pack_bits
 from tfm_runtime.io import atomic_write_json
 
 PEAK_BW, PEAK_BF16 = 4.8e12, 989e12

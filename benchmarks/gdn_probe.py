@@ -15,7 +15,7 @@ from _timing import env_info  # (also puts the repo root on sys.path)
 
 from benchmarks.bench_gdn_tree import graph_time, verify_call
 from benchmarks.gdn_tree_cases import make_inputs
-from kernels.gdn_tree.tree import tree_ancestor_bits
+from tfm_kernels.gdn_tree.tree import tree_ancestor_bits
 from tfm_runtime.io import atomic_write_json
 
 

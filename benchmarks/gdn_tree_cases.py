@@ -1,7 +1,7 @@
 """GDN tree verify/commit on a GPU: inputs and the correctness checks of `bench_gdn_tree.py`.
 
 Shape: Qwen3.6-27B GDN layer (H=16, HV=48, K=V=128). Every check compares against the float64
-node-by-node recurrence (`kernels.gdn_tree.ref`): o, the stashed V', G and the committed states of
+node-by-node recurrence (`tfm_kernels.gdn_tree.ref`): o, the stashed V', G and the committed states of
 three leaves (deepest, last, root) written into fresh slots; the source slot and the pool must be
 unchanged by verify. o is stored in the input dtype (bf16 rounding alone gives ~1.7e-3 rel-RMS).
 """
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kernels.gdn_tree import ref, tree_gdn_commit, tree_gdn_verify
+from tfm_kernels.gdn_tree import ref, tree_gdn_commit, tree_gdn_verify
 
 H, HV, K, V = 16, 48, 128, 128
 

@@ -20,8 +20,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.gdn_tree.prep import tree_gdn_prep_kernel  # noqa: E402
-from kernels.gdn_tree.verify import tree_gdn_solve_kernel  # noqa: E402
+from tfm_kernels.gdn_tree.prep import tree_gdn_prep_kernel  # noqa: E402
+from tfm_kernels.gdn_tree.verify import tree_gdn_solve_kernel  # noqa: E402
 
 INTS = ("N", "H", "HV", "K", "V", "NB", "NPAD")
 PTRS = dict(q="*bf16", k="*bf16", v="*bf16", o="*bf16", anc="*i32", num_nodes="*i32", state_idx="*i32")

@@ -127,7 +127,7 @@ def sync_sites(fn, frames: int = 6) -> list[str]:
 def union_stats(cand: torch.Tensor, group: int, lm_head: torch.Tensor) -> dict:
     """Groups of `group` query rows of cand [M, K]: the largest union, the fraction of distinct ids, and the
     grouped scoring's memory floor (both passes read each group's distinct LM-head rows once, 4.8 TB/s)."""
-    from kernels.candidate_logits.union import group_union
+    from tfm_kernels.candidate_logits.union import group_union
     union, _, count = group_union(cand, group, lm_head.shape[0])
     distinct = int((union >= 0).sum())
     return {"union_max": int(count.max()), "distinct_fraction": distinct / cand.numel(),
@@ -141,8 +141,8 @@ def score_time_ms(cand: torch.Tensor, p: dict, lm_head: torch.Tensor, torch_scor
     kernels (or weight[cand] + bmm with `torch_scores`), and the grouped kernels with `group_rows` rows per
     group, whose floor is 2 * (distinct ids per group) * d elements."""
     from benchmarks._timing import fwd_bwd_ms
-    from kernels.candidate_logits import candidate_log_probs
-    from kernels.candidate_logits.grouped import grouped_candidate_log_probs
+    from tfm_kernels.candidate_logits import candidate_log_probs
+    from tfm_kernels.candidate_logits.grouped import grouped_candidate_log_probs
     rows, L, K = cand.shape
     M, d, dev = rows * L, p["d_model"], lm_head.device
     q = torch.randn(M, d, device=dev, dtype=lm_head.dtype, requires_grad=True)

@@ -32,7 +32,7 @@ def grads(fn, hidden, weight, cand, bias, w, dtype, inv_t=None):
 
 def assert_grads_match_float64(fn, hidden, weight, cand, bias, w, dtype, inv_t=None):
     """fn's log-probs and gradients (hidden, bias) against `candidate_logits_ref` under float64 autograd."""
-    from kernels.candidate_logits import candidate_logits_ref
+    from tfm_kernels.candidate_logits import candidate_logits_ref
 
     def ref(h, wt, c, b, inv):
         return candidate_logits_ref(h, wt, c, inv, b)[1]

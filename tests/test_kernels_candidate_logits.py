@@ -9,14 +9,14 @@ if not torch.cuda.is_available():
     # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.candidate_logits import candidate_logits, candidate_logits_ref  # noqa: E402
-from kernels.candidate_logits.ref import candidate_logits_full_head  # noqa: E402
-from kernels.candidate_logits.triton import candidate_logits_fwd, pick_config  # noqa: E402
+from tfm_kernels.candidate_logits import candidate_logits, candidate_logits_ref  # noqa: E402
+from tfm_kernels.candidate_logits.ref import candidate_logits_full_head  # noqa: E402
+from tfm_kernels.candidate_logits.triton import candidate_logits_fwd, pick_config  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
-# Logits: relative error; logprobs: absolute error (kernels.md 7(c)).
+# Logits: relative error; logprobs: absolute error (tfm_kernels.md 7(c)).
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-3)}
 
 

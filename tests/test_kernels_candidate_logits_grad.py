@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from candidate_inputs import assert_grads_match_float64, grads, inputs  # noqa: E402
-from kernels.candidate_logits import candidate_log_probs, candidate_logits_ref  # noqa: E402
+from tfm_kernels.candidate_logits import candidate_log_probs, candidate_logits_ref  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
@@ -38,7 +38,7 @@ def test_grads_match_float64(M, Kc, Dm, V, dtype, inv_t, pad):
 @pytest.mark.parametrize("tuning", [dict(block_c=2, block_d=64, warps=2), dict(block_c=4, block_d=128),
                                     dict(block_c=4, block_d=32, prefetch=True)], ids=["c2", "c4", "c4-prefetch"])
 def test_hidden_grad_launch_variants_match_default(tuning):
-    from kernels.candidate_logits.grad import candidate_hidden_grad
+    from tfm_kernels.candidate_logits.grad import candidate_hidden_grad
     hidden, weight, cand, bias, w = inputs(5, 37, 300, 80, torch.float32, 0.2)
     dl = torch.randn(cand.shape)
     want = candidate_hidden_grad(dl, weight, cand, 0.5, torch.float32)

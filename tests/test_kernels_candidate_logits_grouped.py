@@ -8,8 +8,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from candidate_inputs import assert_grads_match_float64, grads, inputs  # noqa: E402
-from kernels.candidate_logits.grouped import grouped_candidate_log_probs  # noqa: E402
-from kernels.candidate_logits.union import group_union  # noqa: E402
+from tfm_kernels.candidate_logits.grouped import grouped_candidate_log_probs  # noqa: E402
+from tfm_kernels.candidate_logits.union import group_union  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
@@ -102,7 +102,7 @@ def test_gpu_bf16_training_shape_matches_the_gather_kernel(group):
     hidden 5120, bf16: same as `candidate_log_probs`.
     Default precision "bf16" (the score gradient rounded to bf16 for the backward dot), checked here only:
     the Triton interpreter's bf16 dots are wrong (this Triton's CPU tests would see 1e10 errors)."""
-    from kernels.candidate_logits import candidate_log_probs
+    from tfm_kernels.candidate_logits import candidate_log_probs
     hidden, weight, cand, bias, w = inputs(16 * 15, 512, 5120, 32000, torch.bfloat16, 0.01, "cuda")
     lp, dh, db = grads(lambda h, wt, c, b, _: grouped_candidate_log_probs(h, wt, c, group, bias=b),
                        hidden, weight, cand, bias, w, torch.bfloat16)

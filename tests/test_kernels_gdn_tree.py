@@ -12,9 +12,9 @@ if not torch.cuda.is_available():
     # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.gdn_tree import (check_parents, ref, tree_ancestor_bits, tree_conv1d,  # noqa: E402
+from tfm_kernels.gdn_tree import (check_parents, ref, tree_ancestor_bits, tree_conv1d,  # noqa: E402
                               tree_conv1d_commit, tree_gdn_commit, tree_gdn_verify)
-from kernels.gdn_tree.verify import root_folded  # noqa: E402
+from tfm_kernels.gdn_tree.verify import root_folded  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
@@ -415,7 +415,7 @@ def test_benchmark_quick_configs_are_valid_verify_arguments():
     launch), the default comes first, and PDL is never asked for where it cannot run (a CPU-only torch must not
     raise)."""
     from benchmarks.bench_gdn_tree import configs_for, default_config
-    from kernels.launch import pdl_supported
+    from tfm_kernels.launch import pdl_supported
     assert not pdl_supported(torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     for n in (16, 65, 129):

@@ -9,8 +9,8 @@ if not torch.cuda.is_available():
     # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.small_attention import small_attention, small_attention_ref  # noqa: E402
-from kernels.small_attention.triton import small_attention_bwd, small_attention_fwd  # noqa: E402
+from tfm_kernels.small_attention import small_attention, small_attention_ref  # noqa: E402
+from tfm_kernels.small_attention.triton import small_attention_bwd, small_attention_fwd  # noqa: E402
 from tfm_runtime.models.weaver import chain_mask  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

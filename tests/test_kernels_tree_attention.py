@@ -8,8 +8,8 @@ if not torch.cuda.is_available():
     # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.tree_attention import ancestor_bitmask, ancestor_mask, tree_attention, tree_attention_ref  # noqa: E402
-from kernels.tree_utils import check_parents, pack_bits, tree_depth, unpack_bits  # noqa: E402
+from tfm_kernels.tree_attention import ancestor_bitmask, ancestor_mask, tree_attention, tree_attention_ref  # noqa: E402
+from tfm_kernels.tree_utils import check_parents, pack_bits, tree_depth, unpack_bits  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")

@@ -34,10 +34,10 @@ class TreeGDNStash:
 class TritonTreeGDNStash:
     mixed: torch.Tensor        # [B, N, C] pre-conv inputs of the nodes
     parents: torch.Tensor      # [B, N] int32
-    gdn: object                # kernels.gdn_tree.GDNTreeStash
+    gdn: object                # tfm_kernels.gdn_tree.GDNTreeStash
 
     def commit_into(self, layer, leaf: int) -> None:
-        from kernels.gdn_tree import tree_conv1d_commit, tree_gdn_commit
+        from tfm_kernels.gdn_tree import tree_conv1d_commit, tree_gdn_commit
         B = self.mixed.shape[0]
         slots = torch.arange(B, dtype=torch.int32, device=self.mixed.device)
         leaves = torch.full((B,), leaf, dtype=torch.int32, device=self.mixed.device)
@@ -139,8 +139,8 @@ def gdn_tree_layer_forward(mod, hidden_states: torch.Tensor, cache, parents: tor
 
 
 def _triton_forward(mod, mixed, z, b, a, conv_state, S0, parents, anc_bits, single_root=False):
-    """The same layer through kernels.gdn_tree: tree conv + masked triangular solve, committed state read-only."""
-    from kernels.gdn_tree import tree_conv1d, tree_gdn_verify
+    """The same layer through tfm_kernels.gdn_tree: tree conv + masked triangular solve, committed state read-only."""
+    from tfm_kernels.gdn_tree import tree_conv1d, tree_gdn_verify
     if mixed.dtype == torch.float64:
         raise TypeError("the triton GDN tree backend takes fp32/fp16/bf16 targets; use backend='torch' for fp64")
     B, N, _ = mixed.shape

@@ -28,7 +28,7 @@ def _gdn_modules(target: TargetModel) -> dict[int, torch.nn.Module]:
 class TreeVerifier:
     """Tree verification and commit for one request (batch 1) against a `TargetModel` and its HF cache.
 
-    `backend`: "torch" (node-by-node reference recurrence) or "triton" (kernels.gdn_tree; CUDA only), or "auto".
+    `backend`: "torch" (node-by-node reference recurrence) or "triton" (tfm_kernels.gdn_tree; CUDA only), or "auto".
     """
 
     def __init__(self, target: TargetModel, backend: str = "auto"):
@@ -75,7 +75,7 @@ class TreeVerifier:
             mask = {"full_attention": mask, "linear_attention": None}
         anc_bits, single_root = None, False
         if self.backend == "triton" and self.gdn:
-            from kernels.gdn_tree import check_parents, tree_ancestor_bits   # once per step, for every GDN layer
+            from tfm_kernels.gdn_tree import check_parents, tree_ancestor_bits   # once per step, for every GDN layer
             par = parents.to(device=dev, dtype=torch.int32)[None]
             n = torch.full((1,), N, dtype=torch.int32, device=dev)
             single_root = check_parents(par, n)                  # (on the host)

@@ -58,14 +58,14 @@ def small_attention(q, k, v, mask):
     k, v [B, nh, S, hd], mask bool broadcastable to [B, nh, T, S] (every row sees at least itself) -> [B, nh, T, hd].
 
     On CUDA with one [T, S] mask for all rows and heads (training, the prefix) and T, S <= 128, hd <= 256: the fused
-    Triton kernel of `kernels.small_attention` (one launch per layer forward and one backward, each reading every
+    Triton kernel of `tfm_kernels.small_attention` (one launch per layer forward and one backward, each reading every
     q/k/v tile once; cuBLAS ran the batched 31 x 31 products on old cutlass_75 WMMA kernels, 2.2 ms per training
     step at gb 1024 for the 18 bmm calls). Its o is a view of a [B, T, nh, hd] tensor. Otherwise (CPU, float64,
     per-row masks of the node steps): `_small_attention_bmm`."""
     T, S, hd = q.shape[-2], k.shape[-2], q.shape[-1]
     if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and 0 < T <= 128 and 0 < S <= 128
             and hd <= 256 and (mask.dim() == 2 or (mask.dim() == 4 and mask.shape[:2] == (1, 1)))):
-        from kernels.small_attention import small_attention as fused_small_attention
+        from tfm_kernels.small_attention import small_attention as fused_small_attention
         return fused_small_attention(q, k, v, mask)
     return _small_attention_bmm(q, k, v, mask)
 
@@ -82,10 +82,10 @@ def chain_mask(L: int, device=None) -> torch.Tensor:
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate_up = [gate, up] [..., 2F] -> [..., F]. On CUDA the Triton kernel of `kernels.swiglu`
+    """silu(gate) * up of gate_up = [gate, up] [..., 2F] -> [..., F]. On CUDA the Triton kernel of `tfm_kernels.swiglu`
     (its backward reads gate and up once and writes their gradient in place of a concatenation)."""
     if gate_up.is_cuda and gate_up.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from kernels.swiglu import swiglu as fused_swiglu
+        from tfm_kernels.swiglu import swiglu as fused_swiglu
         return fused_swiglu(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -143,9 +143,9 @@ class Weaver(nn.Module):
     # score() gathers LM-head rows with the Triton kernels on CUDA; False forces weight[cand] + bmm (benchmarks)
     use_candidate_kernels: bool = True
     # > 0: training scores groups of this many rows (x L depths) over their distinct LM-head rows
-    # (kernels/candidate_logits/grouped.py; the trainer sets 4); 0: one gather per (row, depth, candidate)
+    # (tfm_kernels/candidate_logits/grouped.py; the trainer sets 4); 0: one gather per (row, depth, candidate)
     candidate_group_rows: int = 0
-    # launch overrides of the grouped scoring (keys of kernels/candidate_logits/grouped.py's _config; benchmarks)
+    # launch overrides of the grouped scoring (keys of tfm_kernels/candidate_logits/grouped.py's _config; benchmarks)
     candidate_group_tuning: dict | None = None
 
     def __init__(self, cfg: WeaverConfig):
@@ -205,17 +205,17 @@ class Weaver(nn.Module):
         """h [..., r], cand_ids/cand_logits [..., K] -> log q over the K candidates [..., K] (fp32, or fp64).
 
         Reads only the K candidate rows of the LM head: residual_c = W_lm[c] . (A h), A = lm_head_query_in.
-        On CUDA (fp16/bf16/fp32) the Triton kernels of `kernels.candidate_logits` gather the rows in both passes
+        On CUDA (fp16/bf16/fp32) the Triton kernels of `tfm_kernels.candidate_logits` gather the rows in both passes
         instead of materialising W_lm[cand] ([..., K, d_model]: 78.6 MB per training row at the Qwen3.6-27B preset).
         """
         query = self.lm_head_query_in(h)                                                 # [..., d_model]
         if (self.use_candidate_kernels and query.is_cuda and query.dtype != torch.float64
                 and not lm_head_weight.requires_grad):
-            from kernels.candidate_logits import candidate_log_probs
+            from tfm_kernels.candidate_logits import candidate_log_probs
             K = cand_ids.shape[-1]
             hid, cand, bias = query.reshape(-1, query.shape[-1]), cand_ids.reshape(-1, K), cand_logits.reshape(-1, K)
             if self.candidate_group_rows > 0 and cand_ids.dim() >= 3:
-                from kernels.candidate_logits.grouped import grouped_candidate_log_probs
+                from tfm_kernels.candidate_logits.grouped import grouped_candidate_log_probs
                 group = self.candidate_group_rows * cand_ids.shape[-2]                   # rows x L queries
                 logq = grouped_candidate_log_probs(hid, lm_head_weight, cand, group, bias=bias.float(),
                                                    tuning=self.candidate_group_tuning)

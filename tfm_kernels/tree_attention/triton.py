@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tree_utils import pack_bits
+from tfm_kernels.tree_utils import pack_bits
 
 LOG2E = 1.4426950408889634
 
@@ -216,7 +216,7 @@ def tree_attention(
         prefix_len: int [B], 0 <= prefix_len[b] <= Lmax.
         anc: inclusive ancestor relation of each tree, either bool [B, N, N] or a bitmask
             int32 [B, N, ceil(N/32)] (bit j % 32 of word j // 32) / int64 [B, N, ceil(N/64)];
-            see `kernels.tree_utils.ancestor_mask` / `ancestor_bitmask`. Nodes must be in
+            see `tfm_kernels.tree_utils.ancestor_mask` / `ancestor_bitmask`. Nodes must be in
             topological order (ancestors have smaller indices). A bool mask is packed per call:
             build the bitmask once per step and share it across layers.
         num_nodes: int [B], n_b <= N; nodes >= n_b are padding.

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from kernels.tree_utils import unpack_bits
+from tfm_kernels.tree_utils import unpack_bits
 
 
 def tree_attention_ref(

@@ -1,7 +1,7 @@
 """Per-step tree metadata shared by every GDN layer: ancestor bitmasks (and the shared parent check)."""
 import torch
 
-from kernels.tree_utils import ancestor_bitmask, check_parents
+from tfm_kernels.tree_utils import ancestor_bitmask, check_parents
 
 MAX_NODES = 256
 
@@ -10,7 +10,7 @@ def tree_ancestor_bits(parent, num_nodes, check=True):
     """Inclusive ancestor bitmask, built once per step and shared by all layers.
 
     Bit j % 32 of word anc[b, i, j // 32] is set iff node j lies on the path root..i
-    (padding rows are all zero). A thin wrapper of `kernels.tree_utils.ancestor_bitmask` (the one
+    (padding rows are all zero). A thin wrapper of `tfm_kernels.tree_utils.ancestor_bitmask` (the one
     implementation, shared with tree attention) that adds the host-side parent check.
 
     Args:

@@ -1,5 +1,0 @@
-from kernels.candidate_logits.grad import candidate_log_probs
-from kernels.candidate_logits.ref import candidate_logits_ref
-from kernels.candidate_logits.triton import candidate_logits
-
-__all__ = ["candidate_log_probs", "candidate_logits", "candidate_logits_ref"]

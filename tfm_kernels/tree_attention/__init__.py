@@ -1,0 +1,5 @@
+from tfm_kernels.tree_attention.ref import tree_attention_ref
+from tfm_kernels.tree_attention.triton import tree_attention
+from tfm_kernels.tree_utils import ancestor_bitmask, ancestor_mask
+
+__all__ = ["tree_attention", "tree_attention_ref", "ancestor_mask", "ancestor_bitmask"]

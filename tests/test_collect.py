@@ -13,7 +13,7 @@ from pipelines.collect.config import CollectConfig
 from pipelines.collect.features import concat_rows, featurize, featurize_batch, sample_anchors, token_batches
 from pipelines.collect.inputs import Sample, list_input_files, read_records, tokenize
 from pipelines.collect.models import check_pair, load_models
-from pipelines.collect.shards import anchor_columns, column, decode_bf16, encode_bf16, to_table, validate, write_shard
+from pipelines.shards import anchor_columns, column, decode_bf16, encode_bf16, to_table, validate, write_shard
 from tfm_runtime.contract import ContractError
 from tfm_runtime.worlds import tiny_tokenizer
 

@@ -277,7 +277,7 @@ def _check_folder(out: str) -> dict:
 def test_job_submit_writes_shards_that_match_the_contract_and_a_recomputation(reference_run):
     from pipelines.collect.config import CollectConfig
     from pipelines.collect.models import check_pair
-    from pipelines.collect.shards import anchor_columns, column
+    from pipelines.shards import anchor_columns, column
 
     cfg_path, out, logs = reference_run
     assert "constructor arguments in the object store" not in logs          # Ray's per-actor noise is off
@@ -368,8 +368,9 @@ def _check_topk(ids: np.ndarray, vals: np.ndarray, full: torch.Tensor, what: str
 @torch.no_grad()
 def _recompute_and_compare(cfg, table: pa.Table, sample_ids: list[int]) -> None:
     from pipelines.collect.inputs import list_input_files, read_records, tokenize
-    from pipelines.collect.models import load_models, load_tokenizer
-    from pipelines.collect.shards import column
+    from pipelines.collect.models import load_models
+    from tfm_runtime.loading import load_tokenizer
+    from pipelines.shards import column
 
     tok = load_tokenizer(cfg.target)
     samples, _ = tokenize(read_records(list_input_files(cfg.inputs)), tok, prompt_field=cfg.prompt_field,

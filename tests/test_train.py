@@ -223,8 +223,7 @@ def test_resume_after_sigkill_or_sigterm_gives_the_uninterrupted_loss_trace(data
 
 # ---- 3. a DFlash drafter for a target that has none ------------------------------------------------------------
 def test_dflash_training_beats_random_init_and_saves_zlab_layout(data, tmp_path):
-    from pipelines.collect.config import ModelSpec
-    from pipelines.collect.models import drafter_config, load_target
+    from tfm_runtime.loading import ModelSpec, load_drafter_config, load_target
     from tfm_runtime import SpeculativeDecoder
     from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
     run = str(tmp_path / "dflash")
@@ -250,14 +249,14 @@ def test_dflash_training_beats_random_init_and_saves_zlab_layout(data, tmp_path)
     assert hf["dflash_config"]["mask_token_id"] == contract["mask_token_id"] == contract["vocab_size"] - 1
     assert not glob.glob(os.path.join(folder, "*.bin")) and not glob.glob(os.path.join(folder, "*.pt"))
     trained = DFlashDrafter.from_pretrained(folder).eval()
-    assert drafter_config(ModelSpec(folder)).to_hf_dict() == trained.cfg.to_hf_dict()   # collect can use it
+    assert load_drafter_config(ModelSpec(folder)).to_hf_dict() == trained.cfg.to_hf_dict()   # collect can use it
 
     # Decoding with the real speculative decoder: more tokens per verify step than the random initialisation,
     # and still exactly the target's greedy output.
     torch.manual_seed(0)
     init = DFlashDrafter(DFlashConfig.from_hf_dict(hf)).eval()
     target = load_target(ModelSpec("tiny:llama:0"), trained.cfg.target_layer_ids, torch.device("cpu"), torch.float32)
-    from pipelines.collect.models import load_tokenizer
+    from tfm_runtime.loading import load_tokenizer
     tok = load_tokenizer(ModelSpec("tiny:llama:0"))
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Tell me about {TOPICS[i]} and {TOPICS[-i]} "
                                                                      f"({500 + i})."}],
@@ -319,7 +318,7 @@ def test_candidates_recomputed_from_dflash_hidden_match_the_stored_ones(data):
 
 
 def _spec(contract):
-    from pipelines.collect.config import ModelSpec
+    from tfm_runtime.loading import ModelSpec
     return ModelSpec(contract.target_id, contract.target_revision)
 
 

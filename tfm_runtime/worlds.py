@@ -17,6 +17,14 @@ from tfm_runtime.models.weaver import Weaver, WeaverConfig
 FAMILIES = ("llama", "qwen3", "qwen3_next", "qwen3_5")
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5")
 
+# The one set of tiny sizes: `tiny:<family>[:seed]` specs (collect, train, load_target) and tiny_world() agree.
+TINY_VOCAB = 262            # 256 bytes + 3 ChatML specials (tiny_tokenizer) + spare ids; the last is the mask token
+TINY_HIDDEN = 64
+TINY_LAYERS = 6
+TINY_BLOCK = 8              # DFlash block size (bonus + 7 masks)
+TINY_POOL = 32              # DFlash top-K candidates per depth
+TINY_DRAFTER_LAYERS = 2
+
 
 @dataclass
 class World:
@@ -27,7 +35,8 @@ class World:
     contract: Contract
 
 
-def tiny_target_config(family: str, vocab_size: int = 256, hidden: int = 64, layers: int = 4):
+def tiny_target_config(family: str, vocab_size: int = TINY_VOCAB, hidden: int = TINY_HIDDEN,
+                       layers: int = TINY_LAYERS):
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -53,8 +62,9 @@ def tiny_target_config(family: str, vocab_size: int = 256, hidden: int = 64, lay
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
-def tiny_target(family: str = "llama", *, seed: int = 0, dtype=torch.float32, vocab_size: int = 256,
-                hidden: int = 64, layers: int = 6, tap_layer_ids=None, attn_implementation: str = "sdpa"):
+def tiny_target(family: str = "llama", *, seed: int = 0, dtype=torch.float32, vocab_size: int = TINY_VOCAB,
+                hidden: int = TINY_HIDDEN, layers: int = TINY_LAYERS, tap_layer_ids=None,
+                attn_implementation: str = "sdpa"):
     """A random-initialised HF causal LM wrapped as TargetModel (deterministic in `seed`)."""
     from transformers import AutoModelForCausalLM
     cfg = tiny_target_config(family, vocab_size, hidden, layers)
@@ -66,27 +76,43 @@ def tiny_target(family: str = "llama", *, seed: int = 0, dtype=torch.float32, vo
         extra = {"experts_implementation": "eager"} if family == "qwen3_next" else {}   # grouped_mm has no fp64
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, **extra)
     model = model.to(dtype).eval()
-    taps = tap_layer_ids if tap_layer_ids is not None else default_tap_layers(layers, 2)
+    taps = tap_layer_ids if tap_layer_ids is not None else default_tap_layers(layers, TINY_DRAFTER_LAYERS)
     return TargetModel(model, taps)
 
 
-def tiny_world(family: str = "llama", *, seed: int = 0, dtype=torch.float32, vocab_size: int = 256,
-               hidden: int = 64, layers: int = 6, block_size: int = 8, candidate_pool: int = 32,
-               drafter_layers: int = 2) -> World:
+def tiny_drafter_config(family: str = "llama", *, vocab_size: int = TINY_VOCAB, hidden: int = TINY_HIDDEN,
+                        layers: int = TINY_LAYERS, block_size: int = TINY_BLOCK,
+                        drafter_layers: int = TINY_DRAFTER_LAYERS) -> DFlashConfig:
+    """The tiny DFlash drafter's config for a tiny target of `layers` layers (any family: the drafter is dense)."""
+    return DFlashConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=drafter_layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab_size,
+                        num_target_layers=layers, target_layer_ids=default_tap_layers(layers, drafter_layers),
+                        mask_token_id=vocab_size - 1, block_size=block_size)
+
+
+def tiny_drafter(family: str = "llama", *, seed: int = 0, dtype=torch.float32, **sizes) -> DFlashDrafter:
+    """The random-initialised drafter of `tiny_world(family, seed=seed)` (deterministic in `seed`)."""
+    torch.manual_seed(seed + 1)
+    return DFlashDrafter(tiny_drafter_config(family, **sizes)).to(dtype).eval()
+
+
+def tiny_world(family: str = "llama", *, seed: int = 0, dtype=torch.float32, vocab_size: int = TINY_VOCAB,
+               hidden: int = TINY_HIDDEN, layers: int = TINY_LAYERS, block_size: int = TINY_BLOCK,
+               candidate_pool: int = TINY_POOL, drafter_layers: int = TINY_DRAFTER_LAYERS) -> World:
     target = tiny_target(family, seed=seed, dtype=dtype, vocab_size=vocab_size, hidden=hidden, layers=layers,
                          tap_layer_ids=default_tap_layers(layers, drafter_layers))
-    dcfg = DFlashConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=drafter_layers,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab_size,
-                        num_target_layers=layers, target_layer_ids=list(target.tap_layer_ids),
-                        mask_token_id=vocab_size - 1, block_size=block_size)
-    torch.manual_seed(seed + 1)
-    drafter = DFlashDrafter(dcfg).to(dtype).eval()
+    drafter = tiny_drafter(family, seed=seed, dtype=dtype, vocab_size=vocab_size, hidden=hidden, layers=layers,
+                           block_size=block_size, drafter_layers=drafter_layers)
+    dcfg = drafter.cfg
     wcfg = WeaverConfig(d_model=hidden, d_embed=hidden, d_rank=32, num_layers=2, num_heads=2, mlp_dim=64,
                         lookahead=block_size - 1, candidate_pool=candidate_pool)
     torch.manual_seed(seed + 2)
     weaver = Weaver(wcfg).to(dtype).eval()
-    contract = Contract(target_id=f"tiny-{family}-seed{seed}", target_revision=None,
-                        drafter_id=f"tiny-dflash-{family}-seed{seed}", drafter_revision=None,
+    # the default sizes are what the spec `tiny:<family>:<seed>` loads (tfm_runtime.loading)
+    default = (vocab_size, hidden, layers, block_size, drafter_layers) == \
+        (TINY_VOCAB, TINY_HIDDEN, TINY_LAYERS, TINY_BLOCK, TINY_DRAFTER_LAYERS)
+    spec = f"tiny:{family}:{seed}" if default else f"tiny-{family}-seed{seed}-custom"
+    contract = Contract(target_id=spec, target_revision=None, drafter_id=spec, drafter_revision=None,
                         vocab_size=vocab_size, target_hidden_size=hidden, drafter_hidden_size=hidden,
                         tap_layer_ids=tuple(target.tap_layer_ids), block_size=block_size,
                         mask_token_id=dcfg.mask_token_id, candidate_pool=candidate_pool, lookahead=block_size - 1)
@@ -98,7 +124,7 @@ CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['co
                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_tokenizer(vocab_size: int = 262):
+def tiny_tokenizer(vocab_size: int = TINY_VOCAB):
     """A byte-level tokenizer (ids 0..255 = bytes) with ChatML specials at 256.. and a chat template; no download.
 
     The last id (vocab_size - 1) is left for the DFlash mask token.

@@ -15,10 +15,11 @@ import time
 
 from pipelines.collect.config import CollectConfig
 from pipelines.collect.inputs import fingerprint, list_input_files, read_records, tokenize
-from pipelines.collect.models import check_pair, load_tokenizer
-from pipelines.collect.shards import Manifest, remove_temp_files
+from pipelines.collect.models import check_pair
+from pipelines.shards import Manifest, remove_temp_files
 from pipelines.provenance import provenance
 from tfm_runtime.io import atomic_write_json
+from tfm_runtime.loading import load_tokenizer
 
 log = logging.getLogger("tfm.collect")
 

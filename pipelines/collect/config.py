@@ -7,19 +7,11 @@ import json
 from dataclasses import dataclass, field
 
 from pipelines.config_io import checked_fields, load_mapping
+from tfm_runtime.loading import ModelSpec
 
 RESPONSE_MODES = ("regenerate", "keep")
 INPUT_FORMATS = ("auto", "prompt", "sharegpt")
 ROLLOUT_ENGINE = "batched-v1"      # bump when regeneration changes its tokens (sampling keys, engine)
-
-
-@dataclass
-class ModelSpec:
-    """A target or drafter: `tiny:<family>[:seed]` (built in code), a local folder, or a Hub id."""
-    path: str
-    revision: str | None = None
-    gguf_file: str | None = None          # transformers gguf_file= (e.g. the SmolLM2 GGUF shipped on PyPI)
-    dtype: str = "auto"                   # auto | float32 | bfloat16 | float16 | float64
 
 
 @dataclass
@@ -52,12 +44,7 @@ class CollectConfig:
         if self.drafter is None and not self.text_only:
             raise ValueError("collect config: drafter is required (a DFlash drafter: its top-K candidates and taps "
                              "are what the shards hold) unless text_only is true, got none")
-        for name in ("target", "drafter"):
-            v = getattr(self, name)
-            if isinstance(v, str):
-                setattr(self, name, ModelSpec(v))
-            elif isinstance(v, dict):
-                setattr(self, name, ModelSpec(**v))
+        self.target, self.drafter = ModelSpec.of(self.target), ModelSpec.of(self.drafter)
         if isinstance(self.inputs, str):
             self.inputs = [self.inputs]
         checks = [("response", self.response in RESPONSE_MODES, f"one of {RESPONSE_MODES}"),

@@ -16,8 +16,9 @@ import pyarrow as pa
 from pipelines.collect.config import CollectConfig
 from pipelines.collect.features import featurize_batch
 from pipelines.collect.inputs import Sample
-from pipelines.collect.models import load_models, load_tokenizer, resolve_device
-from pipelines.collect.shards import anchor_columns, to_table, validate, write_shard
+from pipelines.collect.models import load_models, resolve_device
+from pipelines.shards import anchor_columns, to_table, validate, write_shard
+from tfm_runtime.loading import load_tokenizer
 
 
 def _samples(batch) -> list[Sample]:

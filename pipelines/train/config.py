@@ -7,8 +7,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from pipelines.collect.config import ModelSpec
 from pipelines.config_io import checked_fields, load_mapping
+from tfm_runtime.loading import ModelSpec
 
 MODELS = ("weaver", "dflash")
 LOSSES = ("kl", "ce")
@@ -64,10 +64,7 @@ class TrainConfig:
     device: str = "auto"                  # auto | cpu | cuda
 
     def __post_init__(self):
-        if isinstance(self.target, str):
-            self.target = ModelSpec(self.target)
-        elif isinstance(self.target, dict):
-            self.target = ModelSpec(**self.target)
+        self.target = ModelSpec.of(self.target)
         if isinstance(self.data, str):
             self.data = [self.data]
         checks = [("model", self.model in MODELS, f"one of {MODELS}"),

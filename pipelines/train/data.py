@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipelines.collect.shards import decode_bf16
+from pipelines.shards import decode_bf16, read_manifest
 from tfm_runtime.contract import SHARD_SCHEMA_VERSION, Contract, check_compatible
 
 
@@ -24,7 +24,7 @@ class ShardData:
 
     def __init__(self, folders: list[str], *, mode: str, heldout_fraction: float, cache_dir: str):
         import datasets
-        manifests = [_read_manifest(f) for f in folders]
+        manifests = [read_manifest(f) for f in folders]
         first = manifests[0]
         self.contract = Contract.from_dict(first["contract"])
         for folder, m in zip(folders, manifests):
@@ -78,14 +78,6 @@ class ShardData:
             else:
                 out[name] = col.to_numpy(zero_copy_only=False)
         return out
-
-
-def _read_manifest(folder: str) -> dict:
-    path = os.path.join(folder, "manifest.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{folder!r} is not a collect output folder: no manifest.json")
-    with open(path) as f:
-        return json.load(f)
 
 
 class BatchOrder:

@@ -16,9 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipelines.collect.config import ModelSpec
-from pipelines.collect.models import load_target
 from tfm_runtime.io import atomic_write_json
+from tfm_runtime.loading import ModelSpec, load_target
 from tfm_runtime.models import TargetModel
 from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
 from tfm_runtime.models.target import default_tap_layers

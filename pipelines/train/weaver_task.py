@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from pipelines.collect.models import is_tiny, load_target
+from tfm_runtime.loading import ModelSpec, load_target
 from tfm_runtime.models.dflash import dflash_candidates
 from tfm_runtime.models.weaver import Weaver, WeaverConfig
 
@@ -24,7 +24,7 @@ def target_heads(spec, device: torch.device, dtype: torch.dtype) -> tuple[torch.
     """(input embedding [V, De], LM head [V, H]) of the target, frozen. A local safetensors folder is read
     tensor by tensor (two tensors, not the whole model); other targets are loaded through transformers."""
     files = sorted(glob.glob(os.path.join(spec.path, "*.safetensors"))) if os.path.isdir(spec.path) else []
-    if files and not spec.gguf_file and not is_tiny(spec):
+    if files and not spec.gguf_file and not spec.tiny:
         from safetensors import safe_open
         found = {}
         for path in files:
@@ -183,7 +183,6 @@ class WeaverTask:
     name = "weaver"
 
     def __init__(self, cfg, device: torch.device, dtype: torch.dtype):
-        from pipelines.collect.config import ModelSpec
         from pipelines.train.data import open_run_data
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.data, self.eval_index = open_run_data(cfg, "anchors")

@@ -111,6 +111,15 @@ def remove_temp_files(folder: str) -> int:
     return len(stale)
 
 
+def read_manifest(folder: str) -> dict:
+    """The manifest.json of a collect output folder."""
+    path = os.path.join(folder, "manifest.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder!r} is not a collect output folder: no manifest.json")
+    with open(path) as f:
+        return json.load(f)
+
+
 class Manifest:
     """manifest.json: schema version, contract, config (+hash), provenance, per-shard facts, skipped inputs."""
 

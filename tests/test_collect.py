@@ -48,6 +48,24 @@ def test_tokenize_counts_skips_and_uses_render_boundary(tmp_path):
     assert tok.decode(s.prompt_ids).endswith("<|im_start|>assistant\n")
 
 
+def test_prompt_turn_last_answers_the_final_user_turn_of_a_multi_turn_context(tmp_path):
+    conv = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one"},
+            {"role": "user", "content": "second"}]
+    f = jsonl(tmp_path / "in.jsonl", [{"messages": conv}, {"messages": conv + [{"role": "assistant", "content": "two"}]}])
+    tok = tiny_tokenizer()
+    recs = read_records(list_input_files([f]))
+    first, _ = tokenize(recs, tok, prompt_field="prompt", response="regenerate", max_prompt_tokens=100)
+    last, _ = tokenize(recs, tok, prompt_field="prompt", response="regenerate", max_prompt_tokens=100,
+                       prompt_turn="last")
+    assert tok.decode(first[0].prompt_ids).count("<|im_start|>user") == 1
+    text = tok.decode(last[0].prompt_ids)
+    assert text.count("<|im_start|>user") == 2 and "one<|im_end|>" in text and text.endswith("assistant\n")
+    kept, _ = tokenize(recs, tok, prompt_field="prompt", response="keep", max_prompt_tokens=100, prompt_turn="last")
+    assert [s.sample_id for s in kept] == [1] and tok.decode(kept[0].response_ids) == "two<|im_end|>\n"
+    with pytest.raises(ValueError, match="prompt_turn"):
+        config(tmp_path, [f], prompt_turn="middle")
+
+
 def test_malformed_json_line_fails_before_any_work(tmp_path):
     f = jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, '{"prompt": "unterminated', {"prompt": "ok"}])
     cfg = config(tmp_path, [f])

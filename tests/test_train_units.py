@@ -225,3 +225,30 @@ def test_clipped_adamw_matches_clip_grad_norm_then_adamw():
         ds = TrainConfig.from_dict({"data": ["x"], "output_dir": "y", "zero_stage": stage}).deepspeed_config(1, True)
         assert (ds["gradient_clipping"] == 0.0) == (stage in (1, 2))
         assert ds["zero_optimization"].get("compute_grad_norm", True) == (stage not in (1, 2))
+
+
+def test_dflash_objective_batches_sequences_exactly_as_one_at_a_time():
+    """One padded target pass and one drafter pass over several sequences of different lengths give, in float64,
+    the per-sequence terms summed: padding never reaches a real position, no block sees another sequence."""
+    from pipelines.train.dflash_task import DFlashObjective, pick_anchors
+    from tfm_runtime.worlds import tiny_world
+    w = tiny_world("llama", dtype=torch.float64)
+    obj = DFlashObjective(w.drafter, w.target, gamma=4.0)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 250, (n,), generator=g) for n in (23, 9, 40)]
+    anchors = [pick_anchors(len(s), 3, 5, g) for s in seqs]
+    logits, labels, valid, argmax = obj.blocks(seqs, anchors, with_argmax=True)
+    num, den = obj.weighted_ce(logits, labels, valid)
+    parts = [obj.blocks([s], [a], with_argmax=True) for s, a in zip(seqs, anchors)]
+    torch.testing.assert_close(logits, torch.cat([p[0] for p in parts]), rtol=1e-10, atol=1e-10)
+    assert torch.equal(valid, torch.cat([p[2] for p in parts]))
+    assert torch.equal(labels[valid], torch.cat([p[1] for p in parts])[valid])
+    assert torch.equal(argmax[valid], torch.cat([p[3] for p in parts])[valid])
+    n1, d1 = zip(*(obj.weighted_ce(*p[:3]) for p in parts))
+    torch.testing.assert_close(num, sum(n1)), torch.testing.assert_close(den, sum(d1))
+    assert not valid.all() and valid.any()                               # blocks run past a sequence's end
+    want = torch.stack([w.target(s[None]).logits[0].argmax(-1) for s in seqs[2:]])[0]   # argmax of the last one
+    a2 = anchors[2]
+    pos = a2[:, None] + torch.arange(1, 8)
+    ok = pos < 40
+    assert torch.equal(parts[2][3][ok], want[(pos - 1)[ok]])

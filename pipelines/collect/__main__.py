@@ -53,7 +53,8 @@ def run(cfg: CollectConfig, progress: bool = True, use_ray: bool = True) -> dict
     records = read_records(files)                            # unreadable input: fail now
     tok = load_tokenizer(cfg.target)
     samples, skipped = tokenize(records, tok, prompt_field=cfg.prompt_field, response=cfg.response,
-                                max_prompt_tokens=cfg.max_prompt_tokens, limit=cfg.limit)
+                                max_prompt_tokens=cfg.max_prompt_tokens, limit=cfg.limit,
+                                prompt_turn=cfg.prompt_turn)
     data_hash = cfg.data_hash() + "-" + fingerprint(files)[:6]
     os.makedirs(cfg.output_dir, exist_ok=True)
     stale = remove_temp_files(cfg.output_dir)               # left by a killed run (atomic writes never finished)

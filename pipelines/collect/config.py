@@ -22,6 +22,7 @@ class CollectConfig:
     drafter: ModelSpec | None = None      # required unless text_only (drafter training for a target with none)
     input_format: str = "auto"            # prompt: {"prompt": str} | sharegpt: {"conversations": [...]}
     prompt_field: str = "prompt"
+    prompt_turn: str = "first"            # the user turn the response answers: first | last (multi-turn context)
     response: str = "regenerate"          # regenerate by the target, or keep the dataset's response
     temperature: float = 0.0
     max_new_tokens: int = 256
@@ -49,6 +50,7 @@ class CollectConfig:
             self.inputs = [self.inputs]
         checks = [("response", self.response in RESPONSE_MODES, f"one of {RESPONSE_MODES}"),
                   ("input_format", self.input_format in INPUT_FORMATS, f"one of {INPUT_FORMATS}"),
+                  ("prompt_turn", self.prompt_turn in ("first", "last"), "'first' or 'last'"),
                   ("temperature", self.temperature >= 0, ">= 0"),
                   ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
                   ("max_prompt_tokens", self.max_prompt_tokens >= 1, ">= 1"),

@@ -106,33 +106,36 @@ def _ids(out) -> list[int]:
 
 
 def tokenize(records: list[dict], tokenizer, *, prompt_field: str, response: str, max_prompt_tokens: int,
-             limit: int | None = None) -> tuple[list[Sample], Counter]:
+             limit: int | None = None, prompt_turn: str = "first") -> tuple[list[Sample], Counter]:
     """-> usable samples and skip counts by reason. The loss region starts at the render boundary: the prompt is
-    the chat template up to the assistant turn (with the generation prompt), the response is what follows."""
+    the chat template up to the assistant turn (with the generation prompt), the response is what follows.
+    `prompt_turn` picks the user turn that ends the prompt: the first, or the last (a multi-turn context whose
+    final user turn is answered)."""
     samples, skipped = [], Counter()
     for sid, rec in enumerate(records[:limit] if limit else records):
         msgs = to_messages(rec, prompt_field)
         if msgs is None:
             skipped["malformed_record"] += 1
             continue
-        first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
-        if first_user is None:
+        users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+        turn = (users[0] if prompt_turn == "first" else users[-1]) if users else None
+        if turn is None:
             skipped["no_user_turn"] += 1
             continue
-        if not msgs[first_user]["content"].strip():
+        if not msgs[turn]["content"].strip():
             skipped["empty_prompt"] += 1
             continue
-        prompt_msgs = msgs[: first_user + 1]
+        prompt_msgs = msgs[: turn + 1]
         prompt = _ids(tokenizer.apply_chat_template(prompt_msgs, add_generation_prompt=True, tokenize=True))
         if len(prompt) > max_prompt_tokens:
             skipped["prompt_too_long"] += 1
             continue
         resp = None
         if response == "keep":
-            if len(msgs) <= first_user + 1 or msgs[first_user + 1]["role"] != "assistant":
+            if len(msgs) <= turn + 1 or msgs[turn + 1]["role"] != "assistant":
                 skipped["no_response_to_keep"] += 1
                 continue
-            full = _ids(tokenizer.apply_chat_template(msgs[: first_user + 2], tokenize=True))
+            full = _ids(tokenizer.apply_chat_template(msgs[: turn + 2], tokenize=True))
             if full[: len(prompt)] != prompt or len(full) == len(prompt):
                 skipped["template_mismatch"] += 1
                 continue

@@ -34,7 +34,7 @@ def check_pair(cfg: CollectConfig) -> Contract:
         raise ContractError("tap_layer_ids", f"ids in [0, {t['num_layers'] - 1}]", d.target_layer_ids,
                             f"drafter {cfg.drafter.path}")
     tok = load_tokenizer(cfg.target)
-    return Contract(target_id=cfg.target.path, target_revision=cfg.target.revision, drafter_id=cfg.drafter.path,
+    return Contract(target_id=cfg.target.name, target_revision=cfg.target.revision, drafter_id=cfg.drafter.name,
                     drafter_revision=cfg.drafter.revision, vocab_size=t["vocab_size"],
                     target_hidden_size=t["hidden_size"], drafter_hidden_size=d.hidden_size,
                     tap_layer_ids=tuple(d.target_layer_ids), block_size=d.block_size, mask_token_id=d.mask_token_id,
@@ -47,7 +47,7 @@ def text_only_contract(cfg: CollectConfig, t: dict) -> Contract:
     drafter id and no taps, and the mask token the new drafter will use: the embedding's last row (an unused
     padding row for most models; any fixed id works, DFlash learns what it means)."""
     tok = load_tokenizer(cfg.target)
-    return Contract(target_id=cfg.target.path, target_revision=cfg.target.revision, drafter_id="",
+    return Contract(target_id=cfg.target.name, target_revision=cfg.target.revision, drafter_id="",
                     drafter_revision=None, vocab_size=t["vocab_size"], target_hidden_size=t["hidden_size"],
                     drafter_hidden_size=t["hidden_size"], tap_layer_ids=(), block_size=DEFAULT_BLOCK_SIZE,
                     mask_token_id=t["vocab_size"] - 1, candidate_pool=min(cfg.candidate_pool, t["vocab_size"]),

@@ -45,7 +45,10 @@ def block_weights(S: int, gamma: float) -> torch.Tensor:
 
 
 class DFlashObjective(nn.Module):
-    """forward(batch) -> (weighted CE over all blocks of the batch, number of scored positions)."""
+    """forward(batch) -> (weighted CE over all blocks of the batch, number of scored positions).
+
+    One target forward over the right-padded sequences of the micro batch (causal: padding never changes a real
+    position) and one drafter pass over all their blocks."""
 
     def __init__(self, drafter: DFlashDrafter, target, gamma: float):
         super().__init__()
@@ -53,22 +56,32 @@ class DFlashObjective(nn.Module):
         object.__setattr__(self, "target", target)                 # frozen: not a submodule
         self.register_buffer("weights", block_weights(drafter.cfg.block_size, gamma), persistent=False)
 
-    def blocks(self, seq: torch.Tensor, anchors: torch.Tensor):
-        """seq [T]; anchors [A] -> (logits [A, S-1, V] fp32, labels [A, S-1], valid [A, S-1], target argmax [T])."""
-        S, T = self.drafter.cfg.block_size, seq.shape[0]
+    def blocks(self, seqs: list[torch.Tensor], anchors: list[torch.Tensor], *, with_argmax: bool = False):
+        """seqs: B sequences [T_b]; anchors: B tensors [A_b] of block starts -> (logits [A, S-1, V] fp32,
+        labels [A, S-1], valid [A, S-1], the target's argmax after each labelled position's predecessor
+        [A, S-1] or None), A = sum of A_b."""
+        S, dev = self.drafter.cfg.block_size, self.weights.device
+        lens = torch.tensor([len(x) for x in seqs], device=dev)                       # [B]
+        ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)                  # [B, T]
+        T = ids.shape[1]
+        seq_index = torch.cat([torch.full((len(a),), b, device=dev) for b, a in enumerate(anchors)])   # [A]
+        anchor = torch.cat(anchors)                                                    # [A]
         with torch.no_grad():
-            out = self.target(seq[None])                                            # taps [1, T, n_taps*H]
-            argmax = out.logits[0].argmax(-1)                                       # [T]
+            out = self.target(ids, logits=False)                                       # taps [B, T, n_taps*H]
         dt = next(self.drafter.parameters()).dtype
-        taps = out.taps
-        ids = torch.full((anchors.shape[0], S), self.drafter.cfg.mask_token_id, dtype=torch.long, device=seq.device)
-        ids[:, 0] = seq[anchors]
-        emb = F.embedding(ids, self.target.embed_weight).to(dt)                      # [A, S, H]
-        hidden = self.drafter.forward_blocks(taps.to(dt), anchors, emb)              # [A, S, H]
-        logits = (hidden[:, 1:] @ self.target.lm_head_weight.to(dt).T).float()       # [A, S-1, V]
-        pos = anchors[:, None] + torch.arange(1, S, device=seq.device)               # [A, S-1]
-        valid = pos < T
-        labels = seq[pos.clamp(max=T - 1)]
+        blk = torch.full((anchor.shape[0], S), self.drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
+        blk[:, 0] = ids[seq_index, anchor]
+        emb = F.embedding(blk, self.target.embed_weight).to(dt)                        # [A, S, H]
+        hidden = self.drafter.forward_blocks(out.taps.to(dt), anchor, emb, seq_index)  # [A, S, H]
+        logits = (hidden[:, 1:] @ self.target.lm_head_weight.to(dt).T).float()         # [A, S-1, V]
+        pos = anchor[:, None] + torch.arange(1, S, device=dev)                         # [A, S-1]
+        valid = pos < lens[seq_index][:, None]
+        pos = pos.clamp(max=T - 1)
+        labels = ids[seq_index[:, None], pos]
+        argmax = None
+        if with_argmax:
+            with torch.no_grad():
+                argmax = self.target.head(out.h_final[seq_index[:, None], pos - 1]).argmax(-1)   # [A, S-1]
         return logits, labels, valid, argmax
 
     def weighted_ce(self, logits, labels, valid) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,13 +91,12 @@ class DFlashObjective(nn.Module):
         return (ce * w).sum(), w.sum()
 
     def forward(self, batch: dict):
-        num = torch.zeros((), device=self.weights.device)
-        den = torch.zeros((), device=self.weights.device)
-        for seq, anchors in zip(batch["seqs"], batch["anchors"]):
-            if anchors.numel() == 0:
-                continue
-            n, d = self.weighted_ce(*self.blocks(seq, anchors)[:3])
-            num, den = num + n, den + d
+        keep = [i for i, a in enumerate(batch["anchors"]) if a.numel()]
+        if not keep:
+            zero = self.weights.sum() * 0
+            return zero, zero
+        num, den = self.weighted_ce(*self.blocks([batch["seqs"][i] for i in keep],
+                                                 [batch["anchors"][i] for i in keep])[:3])
         return num / den.clamp_min(1e-9), den
 
 
@@ -137,14 +149,14 @@ class DFlashTask:
         S = objective.drafter.cfg.block_size
         hits, counts, accept = torch.zeros(S - 1), torch.zeros(S - 1), []
         num, den = 0.0, 0.0
-        for seq, anchors in zip(b["seqs"], b["anchors"]):
-            if anchors.numel() == 0:
-                continue
-            logits, labels, valid, argmax = objective.blocks(seq, anchors)
+        keep = [i for i, a in enumerate(b["anchors"]) if a.numel()]
+        for lo in range(0, len(keep), self.cfg.micro_batch):                 # micro-batch-sized target passes
+            part = keep[lo:lo + self.cfg.micro_batch]
+            logits, labels, valid, argmax = objective.blocks([b["seqs"][i] for i in part],
+                                                             [b["anchors"][i] for i in part], with_argmax=True)
             n, d = objective.weighted_ce(logits, labels, valid)
             num, den = num + float(n), den + float(d)
-            pos = anchors[:, None] + torch.arange(1, S, device=seq.device)
-            truth = valid & (labels == argmax[(pos - 1).clamp(max=seq.shape[0] - 1)])     # greedy-acceptable
+            truth = valid & (labels == argmax)                                # greedy-acceptable
             hit = (logits.argmax(-1) == labels) & valid
             hits += hit.sum(0).cpu().float()
             counts += valid.sum(0).cpu().float()

@@ -1,0 +1,183 @@
+"""python -m pipelines.recipe --recipe recipes/smollm2/recipe.yaml --work /data/smollm2
+
+Runs a recipe: an ordered list of stages, each one of the project's own stages (prepare a GGUF target, write the
+prompt sets, collect, train, export) with a config file beside the recipe. `{work}` in a config is the work
+folder; the resolved configs are saved under <work>/configs/. A stage that finished is marked in <work>/done/ and
+skipped on the next run; an unfinished one resumes (collect skips finished shards, train restarts from its last
+checkpoint), so the recipe survives preemption and machines that only run for a few minutes at a time:
+
+  python -m pipelines.recipe --recipe R --work W --deadline 540   # stop cleanly after 9 minutes (exit 3)
+
+At the deadline the running stage gets SIGTERM (train checkpoints at the next step and exits 143) and the recipe
+exits with code 3: run the same command again to continue. `--until NAME` stops after stage NAME; `--only NAME`
+runs just that stage (its earlier stages must be done). Exit codes: 0 all done, 2 bad recipe or a stage failed,
+3 stopped at the deadline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from pipelines.config_io import checked_fields, load_mapping
+from tfm_runtime.io import atomic_write_json, atomic_write_text
+
+log = logging.getLogger("tfm.recipe")
+KINDS = ("prepare", "prompts", "collect", "train", "export")
+STOPPED = 3
+
+
+@dataclass
+class Stage:
+    name: str
+    kind: str                               # prepare | prompts | collect | train | export
+    config: str | None = None               # collect/train/export: a config file beside the recipe
+    args: dict = field(default_factory=dict)   # prepare: {spec, out, dtype}; prompts: {out, max_chars, limit}
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"recipe stage {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind in ("collect", "train", "export") and not self.config:
+            raise ValueError(f"recipe stage {self.name!r} ({self.kind}) needs a config file")
+
+
+@dataclass
+class Recipe:
+    stages: list[Stage]
+    description: str = ""
+    folder: str = "."
+
+    @classmethod
+    def load(cls, path: str) -> "Recipe":
+        d = checked_fields(cls, {**load_mapping(path, "recipe"), "folder": os.path.dirname(os.path.abspath(path))},
+                           "recipe")
+        stages = [Stage(**checked_fields(Stage, s, f"recipe stage {i}")) for i, s in enumerate(d["stages"])]
+        names = [s.name for s in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"recipe {path}: stage names must be unique, got {names}")
+        for s in stages:
+            if s.config and not os.path.isfile(os.path.join(d["folder"], s.config)):
+                raise FileNotFoundError(f"recipe {path}: stage {s.name!r} config {s.config!r} does not exist")
+        return cls(stages=stages, description=d.get("description", ""), folder=d["folder"])
+
+
+def resolve(text: str, work: str) -> str:
+    return text.replace("{work}", work)
+
+
+def stage_command(stage: Stage, recipe: Recipe, work: str, extra: dict[str, list[str]]) -> list[str]:
+    """The command line that runs `stage` (its config resolved into <work>/configs/)."""
+    py = [sys.executable, "-m"]
+    if stage.kind == "prepare":
+        a = {k: resolve(str(v), work) for k, v in stage.args.items()}
+        return py + ["pipelines.recipe.prepare", "--spec", a["spec"], "--out", a["out"],
+                     "--dtype", a.get("dtype", "bfloat16")]
+    if stage.kind == "prompts":
+        a = {k: resolve(str(v), work) for k, v in stage.args.items()}
+        cmd = py + ["pipelines.prompts", "--out", a["out"]]
+        for k in ("max_chars", "limit"):
+            if k in a:
+                cmd += ["--" + k.replace("_", "-"), a[k]]
+        return cmd
+    with open(os.path.join(recipe.folder, stage.config)) as f:
+        text = resolve(f.read(), work)
+    path = os.path.join(work, "configs", f"{stage.name}{os.path.splitext(stage.config)[1]}")
+    atomic_write_text(path, text)
+    return py + [f"pipelines.{stage.kind}", "--config", path, *extra.get(stage.kind, [])]
+
+
+def run_stage(cmd: list[str], deadline: float | None, log_path: str) -> int:
+    """Run `cmd`, its output teed to the console and `log_path`; at the deadline send SIGTERM and wait."""
+    with open(log_path, "a") as logf:
+        logf.write(f"\n$ {' '.join(cmd)}\n")
+        logf.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        os.set_blocking(proc.stdout.fileno(), False)
+        termed = False
+        while True:
+            line = proc.stdout.readline()
+            if line:
+                sys.stdout.write(line)
+                logf.write(line)
+                continue
+            if proc.poll() is not None:
+                rest = proc.stdout.read() or ""
+                sys.stdout.write(rest)
+                logf.write(rest)
+                break
+            if deadline is not None and not termed and time.time() >= deadline:
+                log.warning("deadline reached: stopping the stage (SIGTERM)")
+                proc.send_signal(signal.SIGTERM)
+                termed = True
+            time.sleep(0.2)
+        return STOPPED if termed and proc.returncode != 0 else proc.returncode
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipelines.recipe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", required=True, help="recipe YAML (stages and their config files)")
+    ap.add_argument("--work", required=True, help="work folder: models, prompts, shards, runs, logs")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds from now to stop cleanly (exit 3)")
+    ap.add_argument("--until", help="stop after this stage")
+    ap.add_argument("--only", help="run only this stage (the ones before it must be done)")
+    ap.add_argument("--collect-args", default="", help="extra arguments for collect stages (e.g. --no-ray)")
+    ap.add_argument("--train-args", default="", help="extra arguments for train stages")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        recipe = Recipe.load(args.recipe)
+        names = [s.name for s in recipe.stages]
+        for opt in ("until", "only"):
+            if getattr(args, opt) and getattr(args, opt) not in names:
+                raise ValueError(f"--{opt} {getattr(args, opt)!r}: the recipe's stages are {names}")
+    except (ValueError, FileNotFoundError) as e:
+        log.error("%s", e)
+        return 2
+    work = os.path.abspath(args.work)
+    os.makedirs(os.path.join(work, "done"), exist_ok=True)
+    deadline = time.time() + args.deadline if args.deadline else None
+    extra = {"collect": args.collect_args.split(), "train": args.train_args.split()}
+    for stage in recipe.stages:
+        marker = os.path.join(work, "done", stage.name + ".json")
+        if args.only and stage.name != args.only:
+            if names.index(stage.name) < names.index(args.only) and not os.path.isfile(marker):
+                log.error("--only %s: stage %s before it is not done", args.only, stage.name)
+                return 2
+            continue
+        if os.path.isfile(marker):
+            log.info("stage %s: done before, skipped", stage.name)
+        else:
+            if deadline is not None and time.time() >= deadline:
+                log.warning("deadline reached before stage %s: run the same command again to continue", stage.name)
+                return STOPPED
+            cmd = stage_command(stage, recipe, work, extra)
+            log.info("stage %s: %s", stage.name, " ".join(cmd[2:]))
+            t0 = time.time()
+            rc = run_stage(cmd, deadline, os.path.join(work, "recipe.log"))
+            if rc in (STOPPED, 143):
+                log.warning("stage %s stopped at the deadline after %.0f s: run the same command again to continue",
+                            stage.name, time.time() - t0)
+                return STOPPED
+            if rc != 0:
+                log.error("stage %s failed (exit %d); its output is in %s", stage.name, rc,
+                          os.path.join(work, "recipe.log"))
+                return 2
+            atomic_write_json(marker, {"stage": stage.name, "seconds": round(time.time() - t0, 1),
+                                       "command": cmd[2:], "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                     time.gmtime())})
+            log.info("stage %s: finished in %.0f s", stage.name, time.time() - t0)
+        if stage.name in (args.until, args.only):
+            break
+    print(json.dumps({"work": work, "done": sorted(os.listdir(os.path.join(work, "done")))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -55,8 +55,8 @@ def hub():
 
 
 # One interpreter runs the user's session: `python -m pipelines.train` on both configs, then `python -m
-# pipelines.export` four times (HF_TOKEN set or unset per call), each through its module's main: importing torch,
-# DeepSpeed and transformers once instead of six times keeps the test fast.
+# pipelines.export` five times (HF_TOKEN set or unset per call), each through its module's main: importing torch,
+# DeepSpeed and transformers once instead of seven times keeps the test fast.
 SESSION = """
 import contextlib, io, json, os, sys
 from pipelines.export.__main__ import main as export
@@ -80,7 +80,8 @@ print(json.dumps({"trained": trained, "exports": results}))
 def session(hub, tmp_path_factory):
     """Anchor and text-only shards of 16 prompts (collected in process); a 6-step Weaver run and a 4-step DFlash
     run; the Weaver run exported and pushed to org/weaver (with the SGLang fork file and benchmark results), the same
-    command again, then pushes without a token and to a repository without write access."""
+    command again, pushes without a token and to a repository without write access, and one to a branch of a new
+    private repository."""
     from pipelines.collect.__main__ import run
     from pipelines.collect.config import CollectConfig
     h, url = hub
@@ -118,7 +119,9 @@ def session(hub, tmp_path_factory):
              {"argv": ["--run", weaver, "--out", str(d / "no_token"), "--repo-id", "org/weaver2", "--push"],
               "token": None},
              {"argv": ["--run", weaver, "--out", str(d / "no_access"), "--repo-id", "other/readonly", "--push"],
-              "token": TOKEN}]
+              "token": TOKEN},
+             {"argv": ["--run", weaver, "--out", str(d / "branch"), "--repo-id", "org/private", "--push", "--private",
+                       "--revision", "dev"], "token": TOKEN}]
     env = _env(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_HUB_OFFLINE="0", HF_HOME=str(d / "hf_home"),
                HF_HUB_CACHE=str(d / "session_cache"))
     got = _python(SESSION, json.dumps(configs), json.dumps(steps), env=env, timeout=600)
@@ -214,7 +217,7 @@ def test_pushing_the_same_artifact_again_adds_no_commit(session):
 def test_failed_pushes_say_why_and_keep_the_local_artifact(session):
     from pipelines.export.artifact import check_provenance
     h, d = session["hub"], session["dir"]
-    no_token, no_access = session["results"][2:]
+    no_token, no_access = session["results"][2:4]
     assert no_token["code"] == 3 and "no Hugging Face token" in no_token["stderr"], no_token["stderr"][-2000:]
     assert no_access["code"] == 3 and "no write access to other/readonly" in no_access["stderr"], \
         no_access["stderr"][-2000:]
@@ -224,6 +227,15 @@ def test_failed_pushes_say_why_and_keep_the_local_artifact(session):
         assert not os.path.exists(d / name / "push.json")
     for r in session["results"]:
         assert TOKEN not in r["stdout"] + r["stderr"]
+
+
+@pytest.mark.slow
+def test_push_to_a_branch_of_a_new_private_repository(session):
+    h, r = session["hub"], session["results"][4]
+    assert r["code"] == 0, r["stderr"][-3000:]
+    repo = h.repos["org/private"]
+    assert repo.private and repo.branches["dev"] == r["stdout"].strip()
+    assert repo.commit_at("main").message == "initial commit" and "model.safetensors" in repo.commit_at("dev").tree
 
 
 # ---- 2. SGLang: the two layouts against tables of what their loaders read ------------------------------------------
@@ -365,9 +377,8 @@ def test_card_metadata_names_a_hub_target_as_base_model():
 
     from pipelines.export.card import CardInfo, metadata
     from tfm_runtime.loading import ModelSpec
-    info = CardInfo(name="org/w", load_id="org/w", run=None, target=ModelSpec("Qwen/Qwen3-8B", revision="abc"),
-                    drafter=None, license="mit", datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"],
-                    parameters=1)
+    info = CardInfo(name="org/w", load_id="org/w", hub=True, run=None, target=ModelSpec("Qwen/Qwen3-8B", "abc"),
+                    drafter=None, license="mit", datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"], parameters=1)
     data = ModelCard(metadata(info, ["tfm"]) + "# org/w\n").data
     assert (data.base_model, data.license, data.library_name) == ("Qwen/Qwen3-8B", "mit", "tfm")
     assert data.datasets == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]

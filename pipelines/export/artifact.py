@@ -109,9 +109,7 @@ def build_weaver(tmp: str, cfg: ExportConfig, run: RunFolder, bench: dict | None
     acceptance_plot(os.path.join(tmp, PLOT), {"Weaver": ev["top1_weaver_by_depth"],
                                               "DFlash": ev["top1_dflash_by_depth"]},
                     f"held-out acceptance by depth, step {run.step}")
-    info = CardInfo(name=_title(cfg), load_id=cfg.repo_id or cfg.out, run=run, target=target, drafter=drafter,
-                    license=cfg.license, datasets=cfg.datasets, parameters=sum(t.numel() for t in state.values()),
-                    bench=bench, sglang_file=sglang)
+    info = _card_info(cfg, run, target, drafter, state, bench, sglang)
     _write_text(os.path.join(tmp, "README.md"), weaver_card(info))
 
     # the checks: the folder through the runtime's own loader, against the target's and drafter's configs
@@ -143,9 +141,7 @@ def build_dflash(tmp: str, cfg: ExportConfig, run: RunFolder, bench: dict | None
     _, state = load_safetensors_dir(run.folder)
     acceptance_plot(os.path.join(tmp, PLOT), {"DFlash": run.eval["top1_by_position"]},
                     f"held-out acceptance by block position, step {run.step}")
-    info = CardInfo(name=_title(cfg), load_id=cfg.repo_id or cfg.out, run=run, target=target, drafter=None,
-                    license=cfg.license, datasets=cfg.datasets, parameters=sum(t.numel() for t in state.values()),
-                    bench=bench)
+    info = _card_info(cfg, run, target, None, state, bench)
     _write_text(os.path.join(tmp, "README.md"), dflash_card(info, config))
 
     where = f"exported DFlash drafter ({run.checkpoint}/ of {run.path})"
@@ -249,8 +245,13 @@ def _spec(override: str | None, trained: dict | str | None, contract_id: str, re
     return ModelSpec.of(trained) or ModelSpec(contract_id, revision)
 
 
-def _title(cfg: ExportConfig) -> str:
-    return cfg.repo_id or os.path.basename(os.path.abspath(cfg.out))
+def _card_info(cfg: ExportConfig, run: RunFolder, target: ModelSpec, drafter: ModelSpec | None, state: dict,
+               bench: dict | None, sglang_file: str | None = None) -> CardInfo:
+    """The card's facts: titled and loaded by the repository id, or by the folder when there is none."""
+    return CardInfo(name=cfg.repo_id or os.path.basename(os.path.abspath(cfg.out)), load_id=cfg.repo_id or cfg.out,
+                    hub=cfg.repo_id is not None, run=run, target=target, drafter=drafter, license=cfg.license,
+                    datasets=cfg.datasets, parameters=sum(t.numel() for t in state.values()), bench=bench,
+                    sglang_file=sglang_file)
 
 
 def _trained_for(run: RunFolder) -> str:

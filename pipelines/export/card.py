@@ -27,6 +27,7 @@ TRAIN_FIELDS = {"weaver": ("preset", "d_rank", "num_layers", "num_heads", "mlp_d
 class CardInfo:
     name: str                      # the card's title: the repository id, or the artifact folder's name
     load_id: str                   # what the card's code loads: the repository id, or the folder's path
+    hub: bool                      # load_id is a Hub repository
     run: RunFolder
     target: ModelSpec
     drafter: ModelSpec | None      # Weaver: the DFlash drafter it needs
@@ -93,7 +94,7 @@ def weaver_card(info: CardInfo) -> str:
     d = info.drafter
     if info.sglang_file is None:
         fetch, sglang = "# export with --format sglang-dflash-tfm to add the fork's checkpoint file\n", "weaver.pt"
-    elif info.load_id != info.name:                                      # not on the Hub: the folder's file
+    elif not info.hub:                                                   # a local folder: its file
         fetch, sglang = "", os.path.join(info.load_id, info.sglang_file)
     else:
         fetch, sglang = f"hf download {info.name} {info.sglang_file} --local-dir weaver\n", \

@@ -1,6 +1,7 @@
-"""Provenance saved next to every pipeline output: code revision, package versions, host."""
+"""Provenance saved next to every pipeline output: code revision, package versions, host; file fingerprints."""
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -21,12 +22,24 @@ def git_revision(cwd: str | None = None) -> str:
         return os.environ.get("TFM_GIT_REVISION", "unknown")
 
 
-def provenance() -> dict:
+def package_versions(packages=PACKAGES) -> dict[str, str | None]:
     versions = {}
-    for p in PACKAGES:
+    for p in packages:
         try:
             versions[p] = importlib.metadata.version(p)
         except importlib.metadata.PackageNotFoundError:
             versions[p] = None
-    return {"git_revision": git_revision(), "packages": versions, "python": platform.python_version(),
+    return versions
+
+
+def provenance() -> dict:
+    return {"git_revision": git_revision(), "packages": package_versions(), "python": platform.python_version(),
             "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,4 +1,5 @@
-"""Small building blocks shared by the drafter models: RMSNorm, rotary embedding, SwiGLU, safetensors I/O."""
+"""Small building blocks shared by the drafter models: RMSNorm, rotary embedding, SwiGLU, safetensors I/O (with
+checks that name a truncated or damaged file)."""
 from __future__ import annotations
 
 import json
@@ -70,20 +71,82 @@ def save_safetensors_dir(path: str, config: dict, state_dict: dict[str, torch.Te
     atomic_write_json(os.path.join(path, "config.json"), config)
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def read_safetensors_header(path: str) -> dict:
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets; "__metadata__"), after
+    checking that the file is whole: a header that parses and tensor data that exactly fills the rest of the file.
+
+    Raises ValueError naming the file and what is wrong (truncated, not safetensors, overlapping data)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise ValueError(f"{path}: truncated or not a safetensors file: the header length field says {n} "
+                             f"bytes, the file holds {size - 8} after it")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a safetensors file: its {n}-byte header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file: its header is a {type(header).__name__}, not a mapping")
+    data = size - 8 - n
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(x) for x in info["data_offsets"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets in the header") from e
+        if not 0 <= begin <= stop:
+            raise ValueError(f"{path}: tensor {name!r} has data_offsets {[begin, stop]}")
+        end = max(end, stop)
+    if end > data:
+        raise ValueError(f"{path}: truncated safetensors file: its tensors need {end} bytes of data, the file holds "
+                         f"{data} ({end - data} missing)")
+    if end < data:
+        raise ValueError(f"{path}: damaged safetensors file: {data - end} bytes after the last tensor")
+    return header
+
+
+def load_safetensors_file(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file, after `read_safetensors_header`'s checks; a library error (a wrong
+    dtype or shape for the data) is re-raised as a ValueError that names the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    read_safetensors_header(path)
+    try:
+        return load_file(path)
+    except (SafetensorError, RuntimeError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable safetensors file: {e}") from e
+
+
 def load_safetensors_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read config.json + every *.safetensors file of a folder (never pickle)."""
-    from safetensors.torch import load_file
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"expected {cfg_path} (a model folder with config.json + *.safetensors)")
     with open(cfg_path) as f:
-        config = json.load(f)
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
+    names = sorted(os.listdir(path))
+    files = [f for f in names if f.endswith(".safetensors")]
     if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {path} (pickle checkpoints are not loaded)")
+        pickles = [f for f in names if f.endswith(PICKLE_SUFFIXES)]
+        found = f"; it holds pickle checkpoints {pickles}, which are never loaded (unpickling can run code)" \
+            if pickles else ""
+        raise FileNotFoundError(f"no *.safetensors file in {path}{found}")
     state: dict[str, torch.Tensor] = {}
     for fn in files:
-        state.update(load_file(os.path.join(path, fn)))
+        state.update(load_safetensors_file(os.path.join(path, fn)))
     return config, state
 
 

@@ -22,6 +22,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML or JSON file with the TrainConfig fields")
     ap.add_argument("--output-dir", help="override config.output_dir (the run folder)")
+    ap.add_argument("--data", nargs="+", help="override config.data (collect output folders)")
     ap.add_argument("--model", choices=["weaver", "dflash"], help="override config.model: train Weaver, or a "
                     "DFlash drafter (from collect's text_only shards) for a target that has none")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -36,6 +37,8 @@ def main(argv=None) -> int:
         cfg = TrainConfig.load(args.config)
         if args.output_dir:
             cfg.output_dir = args.output_dir
+        if args.data:
+            cfg.data = args.data
         if args.model:
             cfg.model = args.model
         from pipelines.train.loop import Stopped, train

@@ -1,21 +1,13 @@
 """Candidate logits + candidate log-softmax (Triton) against the float64 reference."""
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernels.candidate_logits import candidate_logits, candidate_logits_ref
+from kernels.candidate_logits.ref import candidate_logits_full_head
+from kernels.candidate_logits.triton import candidate_logits_fwd, pick_config
 
-from kernels.candidate_logits import candidate_logits, candidate_logits_ref  # noqa: E402
-from kernels.candidate_logits.ref import candidate_logits_full_head  # noqa: E402
-from kernels.candidate_logits.triton import candidate_logits_fwd, pick_config  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
 # Logits: relative error; logprobs: absolute error (kernels.md 7(c)).
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-3)}
 
@@ -58,7 +50,7 @@ CASES = [
 ]
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("M", "Kc", "Dm", "V", "dtype"),
                          [pytest.param(*c, id="M{}-Kc{}-Dm{}-V{}-{}".format(*c)) for c in CASES])
 def test_matches_float64_ref(M, Kc, Dm, V, dtype):
@@ -69,7 +61,7 @@ def test_matches_float64_ref(M, Kc, Dm, V, dtype):
         assert (out[1] == 0).all()
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cfg", [dict(BLOCK_K=2, BLOCK_D=32), dict(BLOCK_K=16, BLOCK_D=16),
                                  dict(BLOCK_K=128, BLOCK_D=64), dict(BLOCK_K=4, BLOCK_D=32, PREFETCH=True),
                                  dict(BLOCK_K=64, BLOCK_D=64, PREFETCH=True)],
@@ -81,7 +73,7 @@ def test_block_sizes_and_dm_remainder(cfg):
     check(out, candidate_logits_ref(hidden, weight, cand), torch.float32)
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_pads_duplicates_and_vocab_edges():
     V = 90
     hidden, weight, _ = make_inputs(4, 6, 40, V, torch.float32)
@@ -98,7 +90,7 @@ def test_pads_duplicates_and_vocab_edges():
     assert torch.isinf(lg[2]).all() and torch.isinf(lp[2]).all() and lse[2] == -math.inf
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_huge_logits_bias_and_temperature():
     hidden, weight, cand = make_inputs(3, 9, 64, 120, torch.float32, scale=1e4)
     bias = torch.randn(3, 9) * 1e3
@@ -111,7 +103,7 @@ def test_huge_logits_bias_and_temperature():
         check(out, ref, torch.float32, atol=1e-6 * ref[0].abs().max().item())
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_full_head_cross_check_and_int64_ids():
     hidden, weight, cand = make_inputs(6, 12, 56, 77, torch.float32, pad_frac=0.3)
     lg, lp = candidate_logits(hidden, weight, cand.long())
@@ -122,7 +114,7 @@ def test_full_head_cross_check_and_int64_ids():
     assert (lp.double()[fin] - full_lp[fin]).abs().max() < 1e-5
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_bad_inputs_raise():
     hidden, weight, cand = make_inputs(2, 3, 16, 10, torch.float32)
     with pytest.raises(ValueError, match="cand"):
@@ -133,7 +125,7 @@ def test_bad_inputs_raise():
         candidate_logits(hidden, weight[:, :8], cand)
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize(("M", "Kc"), [(1, 512), (65, 512), (4096, 8), (7, 100), (64, 1)])
 def test_gpu_bf16(M, Kc):
     hidden, weight, cand = make_inputs(M, Kc, 5120, 32000, torch.bfloat16, pad_frac=0.05, device="cuda")
@@ -142,8 +134,7 @@ def test_gpu_bf16(M, Kc):
     check(out, candidate_logits_ref(hidden, weight, cand, 0.8, bias), torch.bfloat16)
 
 
-
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(BLOCK_K=4, BLOCK_D=1024, PREFETCH=True),
                                  dict(BLOCK_K=8, BLOCK_D=512, PREFETCH=True), dict(BLOCK_K=4, BLOCK_D=2048)],
                          ids=["K4-D1024-pf", "K8-D512-pf", "K4-D2048"])

@@ -1,22 +1,13 @@
 """Grouped candidate log-probs (each group's distinct LM-head rows read once) against float64 autograd."""
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from candidate_inputs import assert_grads_match_float64, grads, inputs  # noqa: E402
-from kernels.candidate_logits.grouped import grouped_candidate_log_probs  # noqa: E402
-from kernels.candidate_logits.union import group_union  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
+from candidate_inputs import assert_grads_match_float64, grads, inputs
+from kernels.candidate_logits.grouped import grouped_candidate_log_probs
+from kernels.candidate_logits.union import group_union
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("M", "Kc", "Dm", "V", "group", "dtype", "inv_t", "pad", "chunk", "tuning"), [
     (1, 1, 16, 20, 1, torch.float32, None, 0.0, 1 << 29, None),
     (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, None),     # M not a multiple of the group; pads
@@ -44,7 +35,7 @@ def test_grouped_matches_float64(M, Kc, Dm, V, group, dtype, inv_t, pad, chunk, 
     assert_grads_match_float64(ours, hidden, weight, cand, bias, w, dtype, inv_t)
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("M", "Kc", "group", "vocab"), [(11, 6, 4, 10), (23, 40, 5, 100), (9, 70, 9, 64), (3, 5, 7, 33)])
 def test_group_union_indexes_every_candidate(M, Kc, group, vocab):
     """Ids across several bitmap words, bit 31 of a word, a vocabulary not a multiple of 32, pads on both sides,
@@ -69,7 +60,7 @@ def test_group_union_indexes_every_candidate(M, Kc, group, vocab):
                 assert pos[m, c] == -1
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_all_pad_row_and_bad_input():
     hidden, weight, cand, bias, w = inputs(6, 5, 32, 40, torch.float32)
     cand[1] = -1
@@ -95,7 +86,7 @@ def test_all_pad_row_and_bad_input():
         grouped_candidate_log_probs(hidden, weight, cand, 3, tuning={"block": 32})
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("group", [60, 120])
 def test_gpu_bf16_training_shape_matches_the_gather_kernel(group):
     """4 or 8 rows x 15 depths x 512 candidates per group (the backward's hidden blocks: 512 and 256 columns),
@@ -115,7 +106,7 @@ def test_gpu_bf16_training_shape_matches_the_gather_kernel(group):
     assert (db - db_g).abs().max() < 1e-3
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("tuning", [None, dict(bwd_gather=True)])
 def test_gpu_forward_and_backward_never_sync(tuning):
     """The union's size is fixed by the shapes (no read-back), so a training step can run ahead of the GPU:

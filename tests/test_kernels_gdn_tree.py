@@ -2,14 +2,22 @@
 
 On a machine without CUDA the kernels run under the Triton interpreter (fp32/fp16, tiny shapes).
 """
+import dataclasses
+
 import pytest
 import torch
 
-from kernels.gdn_tree import (check_parents, ref, tree_ancestor_bits, tree_conv1d,
+from kernels.gdn_tree import (GDNTuning, check_parents, ref, tree_ancestor_bits, tree_conv1d,
                               tree_conv1d_commit, tree_gdn_commit, tree_gdn_verify)
 from kernels.gdn_tree.verify import root_folded
+from kernels.launch import pdl_supported
 
 pytestmark = pytest.mark.usefixtures("poison_empty")   # unwritten outputs are NaN and fail
+
+
+def tuned(N, device, **changes):
+    """The default tuning for N nodes on `device` with some fields changed."""
+    return dataclasses.replace(GDNTuning.for_shape(N, torch.device(device)), **changes)
 
 
 def rel_rms(out, ref_):
@@ -62,11 +70,9 @@ VERIFY_CASES = [
     (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 16, "block_c": 64}),
     (2, 200, [200, 150], 1, 2, 16, 16, "random", torch.float32, {"block_t": 32, "block_c": 128}),
     (1, 256, [250], 1, 1, 16, 16, "random", torch.float32, {"block_t": 16, "p_chain": 0.8}),
-    # the solve without the next block's prefetch, and a prep whose last column chunk is partial
-    (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 16, "prefetch": False}),
+    # 16-column solve dots, and a prep whose last column chunk is partial
     (2, 100, [100, 61], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 16, "solve_kc": 16}),
-    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64,
-                                                               "prefetch": False}),
+    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64}),
     # the prep as two launches (diagonals, then tiles reading back G and the norms)
     (1, 70, [70], 2, 4, 16, 16, "random", torch.float16, {"block_t": 16, "prep_split": True}),
     (2, 200, [200, 77], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64,
@@ -100,8 +106,7 @@ VERIFY_CASES = [
     (1, 17, [17], 2, 4, 16, 16, "random", torch.float32, {"single_root": True, "prenorm": True,
                                                           "l2norm": False}),
     (1, 17, [17], 2, 4, 16, 16, "chain", torch.float32, {"single_root": True, "g_const": -30.0}),
-    (2, 81, [81, 70], 1, 2, 16, 16, "spine", torch.float32, {"single_root": True, "solve_kc": 16,
-                                                            "prefetch": False}),
+    (2, 81, [81, 70], 1, 2, 16, 16, "spine", torch.float32, {"single_root": True, "solve_kc": 16}),
     # diagonal inverses from 4- or 8-node blocks merged by doublings (one, two, three factors)
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"inv_base": 4}),
     (1, 16, [16], 2, 4, 16, 16, "chain", torch.float32, {"inv_base": 16}),
@@ -109,11 +114,11 @@ VERIFY_CASES = [
     (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 64, "inv_base": 4}),
     (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": True,
                                                             "inv_base": 4}),
-    # W_t read after the dots over earlier blocks (the default reads it at the block's top)
-    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "w_early": False}),
-    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "w_early": False,
-                                                               "prefetch": False}),
+    # the default tuning at 65 nodes (2-warp solve, 4-warp prep programs) with the root folded
+    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True}),
 ]
+# the keys of a case's extra that are GDNTuning fields
+TUNING_KEYS = {f.name for f in dataclasses.fields(GDNTuning)}
 
 
 def run_verify(case, dev, seed=0):
@@ -133,11 +138,9 @@ def run_verify(case, dev, seed=0):
     dpool = (pool.transpose(-1, -2) if vf else pool).contiguous().to(dev)
     before = dpool.clone()
     d = [t.to(dev) for t in (q, k, v, g, beta, parent, num, sidx)]
+    tuning = tuned(N, dev, **{key: val for key, val in extra.items() if key in TUNING_KEYS})
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], use_qk_l2norm=l2, state_v_first=vf,
-                               precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
-                               prefetch=extra.get("prefetch", True), prep_split=extra.get("prep_split"),
-                               solve_kc=extra.get("solve_kc"), single_root=extra.get("single_root"),
-                               inv_base=extra.get("inv_base"), w_early=extra.get("w_early"))
+                               precision="ieee", single_root=extra.get("single_root"), tuning=tuning)
     assert torch.equal(dpool, before), "verify wrote the committed state"
     if extra.get("nan_padding"):
         for b, n in enumerate(ns):  # the float64 reference reads nothing past n either
@@ -276,13 +279,23 @@ def test_rejects_non_topological_parents():
         tree_gdn_verify(q, q, v, g, g, parent, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
                         torch.tensor([0], dtype=torch.int32))
     check_parents(parent, torch.tensor([2]))  # the bad node is padding
+
+
+def test_rejects_bad_tuning():
+    q = torch.randn(1, 4, 1, 16)
+    v, g = torch.randn(1, 4, 1, 16), torch.zeros(1, 4, 1)
     ok = torch.tensor([[-1, 0, 1, 2]], dtype=torch.int32)
-    # (pdl: the tensors are on the CPU)
-    for bad, match in [({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t"), ({"solve_kc": 24}, "solve_kc"),
-                       ({"inv_base": 2}, "inv_base"), ({"pdl": True}, "compute capability")]:
+    for bad, match in [({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t"), ({"block_v": 8}, "block_v"),
+                       ({"solve_kc": 24}, "solve_kc"), ({"inv_base": 2}, "inv_base")]:
         with pytest.raises(ValueError, match=match):
-            tree_gdn_verify(q, q, v, g, g, ok, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
-                            torch.tensor([0], dtype=torch.int32), **bad)
+            tuned(4, "cpu", **bad)
+    # PDL where the device cannot run it (CPU tensors)
+    with pytest.raises(ValueError, match="compute capability"):
+        tree_gdn_verify(q, q, v, g, g, ok, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
+                        torch.tensor([0], dtype=torch.int32), tuning=tuned(4, "cpu", pdl=True))
+    with pytest.raises(TypeError, match="GDNTuning"):
+        tree_gdn_verify(q, q, v, g, g, ok, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
+                        torch.tensor([0], dtype=torch.int32), tuning={"block_t": 16})
 
 
 @pytest.mark.parametrize("W,S,bias,act,dtype", [(4, 3, True, "silu", torch.float32),
@@ -319,14 +332,16 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype, kernel_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,kind,cfg", [(16, "chain", None), (65, "eagle", (16, 32, 4)),
-                                        (65, "eagle", (32, 16, 4)), (65, "eagle", (64, 64, 8)),
-                                        (129, "spine", None), (129, "spine", (16, 16, 4)),
-                                        (129, "spine", (32, 64, 8)), (129, "spine", (64, 64, 8)),
-                                        (65, "eagle", "split"), (129, "spine", "split"),
-                                        (65, "eagle", "w_late"), (129, "spine", "w_late"),
+@pytest.mark.parametrize("n,kind,cfg", [(16, "chain", {}), (65, "eagle", dict(block_t=16, block_v=32, num_warps=4)),
+                                        (65, "eagle", dict(block_t=32, block_v=16, num_warps=4)),
+                                        (65, "eagle", dict(block_t=64, block_v=64, num_warps=8)),
+                                        (129, "spine", {}), (129, "spine", dict(block_t=16, block_v=16, num_warps=4)),
+                                        (129, "spine", dict(block_t=32, block_v=64, num_warps=8)),
+                                        (129, "spine", dict(block_t=64, block_v=64, num_warps=8)),
+                                        (65, "eagle", dict(prep_split=True)), (129, "spine", dict(prep_split=True)),
                                         (65, "eagle", "root"), (129, "spine", "root"),
-                                        (65, "eagle", "inv4"), (129, "spine", "inv4")])
+                                        (65, "eagle", dict(inv_base=4)), (129, "spine", dict(inv_base=4))],
+                         ids=str)
 def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     """Qwen3.6-27B GDN shape, bf16 inputs, tf32 dots: o within bf16 rounding, commit < 2e-3."""
     gen = torch.Generator().manual_seed(n)
@@ -334,10 +349,10 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num, sidx)]
     dpool = pool.cuda()
-    split, root, inv4 = cfg == "split", cfg == "root", cfg == "inv4"
-    bt, bv, nw = (None, None, None) if isinstance(cfg, str) or cfg is None else cfg
-    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split,
-                               single_root=root, inv_base=4 if inv4 else None, w_early=cfg != "w_late")
+    root = cfg == "root"
+    # the one-launch prep unless the case asks for the split one
+    tuning = tuned(n, "cuda", **{"prep_split": False, **({} if root else cfg)})
+    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], single_root=root, tuning=tuning)
     ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)
@@ -358,17 +373,18 @@ def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num)]
     dpool, dsidx = pool.cuda(), sidx.cuda()
     anc = tree_ancestor_bits(d[5], d[6])
-    plain, stash = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=False, single_root=single_root)
-    eager, stash_pdl = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
+    on, off = tuned(n, "cuda", pdl=True), tuned(n, "cuda", pdl=False)
+    plain, stash = tree_gdn_verify(*d, dpool, dsidx, anc=anc, tuning=off, single_root=single_root)
+    eager, stash_pdl = tree_gdn_verify(*d, dpool, dsidx, anc=anc, tuning=on, single_root=single_root)
     assert torch.equal(eager, plain) and torch.equal(stash_pdl.vnew, stash.vnew)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
+        tree_gdn_verify(*d, dpool, dsidx, anc=anc, tuning=on, single_root=single_root)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed, _ = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
+        replayed, _ = tree_gdn_verify(*d, dpool, dsidx, anc=anc, tuning=on, single_root=single_root)
     for _ in range(3):
         replayed.zero_()
         graph.replay()
@@ -377,11 +393,11 @@ def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
     # q/k/v written by the kernels just before the verify (as in a model): every replay must see the new values
     src = [t.clone() for t in d[:3]]
     with torch.cuda.stream(s):
-        tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
+        tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, tuning=on, single_root=single_root)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True,
+        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, tuning=on,
                                    single_root=single_root)
     for seed in range(3):
         gen2 = torch.Generator(device="cuda").manual_seed(seed)
@@ -389,7 +405,7 @@ def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
             x.copy_(torch.randn(x.shape, generator=gen2, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        want, _ = tree_gdn_verify(*src, *d[3:], dpool, dsidx, anc=anc, pdl=False, single_root=single_root)
+        want, _ = tree_gdn_verify(*src, *d[3:], dpool, dsidx, anc=anc, tuning=off, single_root=single_root)
         assert torch.equal(fresh, want)
     assert torch.equal(dpool.cpu(), pool), "verify wrote the committed state"
 
@@ -398,8 +414,7 @@ def test_benchmark_quick_configs_are_valid_verify_arguments():
     """Every configuration `bench_gdn_tree.py --quick` times passes `tree_gdn_verify`'s checks (run with no
     launch), the default comes first, and PDL is never asked for where it cannot run (a CPU-only torch must not
     raise)."""
-    from benchmarks.bench_gdn_tree import configs_for, default_config
-    from kernels.launch import pdl_supported
+    from benchmarks.bench_gdn_tree import configs_for, default_config, verify_kwargs
     assert not pdl_supported(torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     for n in (16, 65, 129):
@@ -407,7 +422,8 @@ def test_benchmark_quick_configs_are_valid_verify_arguments():
         q, k, v, g, beta, pool, sidx = make_gdn(1, n, 1, 1, 16, 16, torch.float32, gen)
         cfgs = configs_for(n, quick=True)
         assert cfgs[0] == default_config(n) and len(cfgs) == len({tuple(sorted(c.items())) for c in cfgs})
+        assert verify_kwargs(n, cfgs[0])["tuning"] == GDNTuning.for_shape(n, torch.device("cuda"))
         for cfg in cfgs:
             if not pdl_supported(torch.device("cuda")):
                 assert not cfg["pdl"]
-            tree_gdn_verify(q, k, v, g, beta, parent, num, pool, sidx, stages=(), **cfg)
+            tree_gdn_verify(q, k, v, g, beta, parent, num, pool, sidx, stages=(), **verify_kwargs(n, cfg))

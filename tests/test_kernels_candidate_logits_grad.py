@@ -69,17 +69,16 @@ def test_gpu_bf16_training_shape():
 def test_weaver_score_cuda_matches_torch_path(group_rows):
     """Weaver.score on CUDA (kernels: gathers, or grouped with `group_rows` rows per group) against the same
     function through weight[cand] + bmm in float64."""
-    from tfm_runtime.models.weaver import Weaver, WeaverConfig
+    from tfm_runtime.models.weaver import Weaver, WeaverConfig, WeaverScoring
     cfg = WeaverConfig(d_model=256, d_embed=256, d_rank=64, num_layers=1, num_heads=2, mlp_dim=128, lookahead=3,
                        candidate_pool=32)
     torch.manual_seed(0)
     wv = Weaver(cfg).cuda()
-    wv.candidate_group_rows = group_rows
     lm = torch.randn(1000, 256, device="cuda") / 16
     h = torch.randn(5, 3, 64, device="cuda", requires_grad=True)
     cand = torch.randint(0, 1000, (5, 3, 32), device="cuda")
     cl = torch.randn(5, 3, 32, device="cuda")
-    lq = wv.score(h, cand, cl, lm)
+    lq = wv.score(h, cand, cl, lm, WeaverScoring(group_rows=group_rows))
     (lq * torch.arange(32, device="cuda")).sum().backward()
     g = h.grad.clone()
     h.grad = None

@@ -10,6 +10,7 @@ The target's embedding E [V, d_embed] and LM head W_lm [V, d_model] are passed i
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from torch import nn
 
 from tfm_runtime.models.common import (RMSNorm, apply_rope, load_safetensors_dir, load_strict, rope_cos_sin,
                                        save_safetensors_dir)
+
+if TYPE_CHECKING:
+    from kernels.candidate_logits.grouped import GroupedTuning
 
 
 @dataclass
@@ -136,11 +140,11 @@ class WeaverScoring:
         passes; False: weight[cand] + bmm, which materialises [..., K, d_model].
     group_rows: > 0: score groups of this many rows (x L depths) over their distinct LM-head rows
         (`grouped_candidate_log_probs`; for [rows, L, K] candidates); 0: one gather per (row, depth, candidate).
-    tuning: launch overrides of the grouped scoring (keys of kernels/candidate_logits/grouped.py's _config).
+    tuning: launch parameters of the grouped scoring (a `GroupedTuning`; None: its default for the shape).
     """
     kernels: bool = True
     group_rows: int = 0
-    tuning: dict | None = None
+    tuning: GroupedTuning | None = None
 
     def __post_init__(self):
         if self.group_rows < 0:

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from kernels.tree_attention import ancestor_bitmask, ancestor_mask, tree_attention, tree_attention_ref
+from kernels.tree_attention import (TreeAttentionTuning, ancestor_bitmask, ancestor_mask, tree_attention,
+                                   tree_attention_ref)
 from kernels.tree_utils import check_parents, pack_bits, tree_depth, unpack_bits
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -87,6 +88,16 @@ def test_split_kv_merge_equals_single_pass(num_splits):
     o, _ = check_against_ref(inp, torch.float32, num_splits=num_splits)
     o1 = tree_attention(**inp, num_splits=1)
     assert rel_rms(o1, o) <= 1e-6
+
+
+@pytest.mark.interpreter
+def test_other_tiles_match_float64_ref():
+    """16-row tiles over 5 nodes x 4 q heads (two row tiles), 16 keys per step, 2 splits."""
+    inp = make_inputs(2, 5, 4, 1, 16, 70, torch.float32, prefix_len=[70, 21])
+    check_against_ref(inp, torch.float32, tuning=TreeAttentionTuning(block_m=16, block_n=16, num_warps=2, num_stages=1,
+                                                                     num_splits=2))
+    with pytest.raises(ValueError, match="block_n must be a power of 2"):
+        TreeAttentionTuning(block_m=16, block_n=24, num_warps=4, num_stages=2)
 
 
 @pytest.mark.interpreter

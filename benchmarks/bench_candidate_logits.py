@@ -9,37 +9,35 @@ floor `(M*Kc*Dm*2 + M*Dm*2) / 4.8 TB/s` (also against the measured copy bandwidt
     TRITON_INTERPRET=1 python benchmarks/bench_candidate_logits.py --smoke   # CPU check of the script
 """
 import argparse
+import dataclasses
 import json
 
 import torch
 from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
 
 from tfm_kernels.candidate_logits.ref import candidate_logits_full_head, candidate_logits_gather, candidate_logits_ref
-from tfm_kernels.candidate_logits.triton import candidate_logits, candidate_logits_fwd, pick_config
+from tfm_kernels.candidate_logits.triton import CandidateTuning, candidate_logits
 from tfm_runtime.io import atomic_write_json
 
 PEAK_BW = 4.8e12
-# Tuning sweep: launch configurations (BLOCK_K, BLOCK_D, num_warps, num_stages) or dicts of pick_config keys,
-# timed on a few cases only. Session 9 also timed a persistent logits pass and a one-launch pass whose last
-# program per row does the log-softmax (git eb897a8, 2b0c12d; both slower, removed; see the results file).
+# Tuning sweep, timed on a few cases only: (block_k, block_d, num_warps, num_stages) without prefetch, or dicts of
+# CandidateTuning fields over 8 x 1024 tiles, 4 warps, 3 stages with prefetch.
 SWEEP = [(32, 256, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (16, 256, 4, 4), (32, 256, 8, 4),
          (8, 512, 4, 4),
-         # session 8: around the default 4 x 2048 (hidden 5120 is 2.5 blocks of 2048: 1024 divides it)
+         # around 4 x 2048 (hidden 5120 is 2.5 blocks of 2048: 1024 divides it)
          (4, 1024, 4, 3), (4, 2048, 4, 2), (4, 2048, 4, 4), (4, 2048, 8, 3), (2, 2048, 4, 3), (2, 4096, 4, 3),
-         # session 9: the next hidden block's loads issued before this block's products
-         dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=2048), dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=1024),
-         dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=1024), dict(PREFETCH=True, BLOCK_K=2, BLOCK_D=2048),
-         dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=512), dict(PREFETCH=True, BLOCK_K=16, BLOCK_D=256),
-         dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=2048, num_warps=8),
-         dict(PREFETCH=True, BLOCK_K=8, BLOCK_D=1024, num_warps=8),
-         dict(PREFETCH=True, BLOCK_K=4, BLOCK_D=512), dict(PREFETCH=True, BLOCK_K=2, BLOCK_D=1024)]
+         # the next hidden block's loads issued before this block's products
+         dict(block_k=4, block_d=2048), dict(block_k=4, block_d=1024), dict(block_k=8, block_d=1024),
+         dict(block_k=2, block_d=2048), dict(block_k=8, block_d=512), dict(block_k=16, block_d=256),
+         dict(block_k=4, block_d=2048, num_warps=8), dict(block_k=8, block_d=1024, num_warps=8),
+         dict(block_k=4, block_d=512), dict(block_k=2, block_d=1024)]
 
 
-def sweep_config(entry: tuple | dict) -> dict:
-    """A SWEEP entry as a launch configuration; dict entries override 8 x 1024 tiles, 4 warps, 3 stages."""
+def sweep_tuning(entry: tuple | dict) -> CandidateTuning:
+    """A SWEEP entry as a CandidateTuning."""
     if isinstance(entry, dict):
-        return dict(dict(BLOCK_K=8, BLOCK_D=1024, num_warps=4, num_stages=3), **entry)
-    return dict(zip(("BLOCK_K", "BLOCK_D", "num_warps", "num_stages"), entry))
+        return CandidateTuning(**dict(dict(block_k=8, block_d=1024, num_warps=4, num_stages=3, prefetch=True), **entry))
+    return CandidateTuning(*entry, prefetch=False)
 
 
 def make_sets(M, Kc, Dm, V, dtype, dev, gen, copies):
@@ -67,7 +65,8 @@ def bench_case(M, Kc, weight, dev, sweep: list):
     r_lg, r_lp, _ = candidate_logits_ref(hidden, weight, cand_chk, inv_t, bias)
     fin = torch.isfinite(r_lg)
     row = dict(M=M, Kc=Kc, Dm=Dm, vocab=V, dtype=str(weight.dtype).replace("torch.", ""),
-               config=pick_config(M, Kc, Dm, torch.device(dev)), floor_bytes=floor_bytes,
+               config=dataclasses.asdict(CandidateTuning.for_shape(M, Kc, Dm, torch.device(dev))),
+               floor_bytes=floor_bytes,
                logits_rel_rms=rel_rms(r_lg[fin], lg[fin]),
                logprobs_max_abs_err=(lp.double()[fin] - r_lp[fin]).abs().max().item(),
                inf_pattern_ok=bool(torch.equal(torch.isfinite(lg), fin)))
@@ -88,14 +87,14 @@ def bench_case(M, Kc, weight, dev, sweep: list):
     if sweep:
         row["sweep"] = []
         for e in sweep:
-            cfg = sweep_config(e)
-            entry = dict(config=cfg)
+            tuning = sweep_tuning(e)
+            entry = dict(config=dataclasses.asdict(tuning))
             try:
-                s_lg, s_lp = candidate_logits_fwd(hidden, weight, cand, None, None, False, cfg)
+                s_lg, s_lp = candidate_logits(hidden, weight, cand, tuning=tuning)
                 r_lg, r_lp, _ = candidate_logits_ref(hidden, weight, cand)
                 entry["logits_rel_rms"] = rel_rms(r_lg, s_lg)
                 entry["logprobs_max_abs_err"] = (s_lp.double() - r_lp).abs().max().item()
-                entry.update(time_calls([lambda h=h, c=c: candidate_logits_fwd(h, weight, c, None, None, False, cfg)
+                entry.update(time_calls([lambda h=h, c=c: candidate_logits(h, weight, c, tuning=tuning)
                                          for h, c in sets]))
                 entry["time_over_floor"] = entry["us"] * 1e-6 * PEAK_BW / floor_bytes
             except Exception as e:  # noqa: BLE001 - e.g. a tile the compiler rejects
@@ -142,8 +141,8 @@ def main():
               f"{r['logprobs_max_abs_err']:>8.1e}")
         for s in r.get("sweep", []):
             c = s["config"]
-            p = " pf" if c.get("PREFETCH") else ""
-            print(f"{'':>11} sweep K{c['BLOCK_K']} D{c['BLOCK_D']} w{c['num_warps']} s{c['num_stages']}{p}: "
+            p = " pf" if c["prefetch"] else ""
+            print(f"{'':>11} sweep K{c['block_k']} D{c['block_d']} w{c['num_warps']} s{c['num_stages']}{p}: "
                   f"{s.get('us', float('nan')):.2f} us ({s.get('time_over_floor', float('nan')):.2f}x) "
                   f"{s.get('error', '')[:60]}")
     print(f"copy bandwidth {bw} TB/s; " + json.dumps(res["env"]))

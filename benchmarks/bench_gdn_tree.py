@@ -6,12 +6,13 @@
 Shape: Qwen3.6-27B GDN layer (H=16, HV=48, K=V=128), B=1, bf16 inputs, fp32 state, tf32 dots.
 Every timed call rotates over `--layers` distinct buffer sets (distinct states, like consecutive
 layers), so the state is read from HBM, not L2. Several solve configurations are timed per n; the
-best and the default (`verify._config`) are reported. Baselines: fla `chunk_gated_delta_rule` on a
+best and the default (`GDNTuning.for_shape`) are reported. Baselines: fla `chunk_gated_delta_rule` on a
 chain of the same length, and per-token snapshots (a sequential recurrence writing every node's
 state, then copying the accepted one into the pool). The floor is bytes moved / 4.8 TB/s.
 Correctness cases live in `gdn_tree_cases.py`.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import env_info  # noqa: E402  (also puts the repo root on sys.path)
 from gdn_tree_cases import H, HV, K, V, correctness_matrix, fla_chain_check, make_inputs, rel  # noqa: E402
 
-from tfm_kernels.gdn_tree import ref, tree_ancestor_bits, tree_gdn_commit, tree_gdn_verify  # noqa: E402
-from tfm_kernels.gdn_tree.verify import _config, root_folded  # noqa: E402
+from tfm_kernels.gdn_tree import GDNTuning, ref, tree_ancestor_bits, tree_gdn_commit, tree_gdn_verify  # noqa: E402
+from tfm_kernels.gdn_tree.verify import root_folded  # noqa: E402
 from tfm_kernels.launch import pdl_supported  # noqa: E402
 from tfm_runtime.io import atomic_write_json  # noqa: E402
 
@@ -34,58 +35,53 @@ HBM = 4.8e12
 # goals for the verify (us per layer) and for (snapshots) / (verify + commit)
 GOAL_US = {65: 27.0, 129: 40.0}
 GOAL_SPEEDUP = {64: 5.0, 65: 5.0}
-# configurations timed per tree size: the solve's node block, V tile, warps and prefetch, the
-# prep's column tile, register cap (0: none) and split into two launches, and programmatic
-# dependent launch
-KEYS = ("block_t", "block_v", "num_warps", "block_c", "prefetch", "prep_maxnreg", "prep_split", "pdl", "solve_kc")
-# every keyword a timed configuration may set (the tuples of CONFIGS and the root fold)
-CFG_KEYS = KEYS + ("single_root", "prep_warps", "diag_warps", "inv_base", "w_early")
+# A timed configuration is a dict of GDNTuning fields (those not given: the default for the tree size) and
+# single_root. The full sweep: the solve's node block, V tile, warps, the prep's column tile, the split prep,
+# programmatic dependent launch and the solve's dot width.
+KEYS = ("block_t", "block_v", "num_warps", "block_c", "prep_split", "pdl", "solve_kc")
+# every key of a timed configuration
+CFG_KEYS = tuple(f.name for f in dataclasses.fields(GDNTuning)) + ("single_root",)
 CONFIGS = [dict(zip(KEYS, c)) for c in [
-    (16, 16, 4, 16, True, 0, False, True, 128), (16, 16, 4, 16, True, 128, False, True, 128),
-    (16, 16, 4, 32, True, 0, False, True, 128), (16, 16, 4, 32, True, 0, False, False, 128),
-    (16, 16, 4, 32, True, 128, False, True, 128), (16, 16, 4, 32, True, 96, False, True, 128),
-    (16, 16, 4, 32, True, 96, False, False, 128), (16, 16, 4, 64, True, 0, False, True, 128),
-    (16, 16, 4, 64, True, 128, False, True, 128), (16, 16, 4, 32, False, 0, False, True, 128),
-    (16, 32, 4, 32, True, 0, False, True, 128), (32, 32, 4, 64, True, 0, False, True, 128),
-    (32, 32, 4, 64, False, 0, False, True, 128), (32, 32, 4, 128, False, 0, False, True, 128),
-    (32, 16, 4, 64, False, 0, False, True, 128),
-    (16, 16, 4, 32, True, 0, True, True, 128), (16, 16, 4, 64, True, 0, True, True, 128),
-    (16, 16, 4, 32, True, 0, True, False, 128), (32, 32, 4, 64, True, 0, True, True, 128),
-    (16, 16, 4, 32, True, 0, False, True, 64), (16, 16, 4, 32, True, 0, True, True, 64)]]
+    (16, 16, 4, 16, False, True, 128), (16, 16, 4, 32, False, True, 128), (16, 16, 4, 32, False, False, 128),
+    (16, 16, 4, 64, False, True, 128), (16, 32, 4, 32, False, True, 128), (32, 32, 4, 64, False, True, 128),
+    (16, 16, 4, 32, True, True, 128), (16, 16, 4, 64, True, True, 128), (16, 16, 4, 32, True, False, 128),
+    (32, 32, 4, 64, True, True, 128), (16, 16, 4, 32, False, True, 64), (16, 16, 4, 32, True, True, 64)]]
 
 
 def default_config(n):
     """What `tree_gdn_verify` runs by default for n nodes on this device, for a tree rooted at node 0
     (every tree here, and every verify tree of a decoder, which passes single_root=True)."""
-    cfg = _config(n)
-    return dict(cfg, pdl=cfg["pdl"] and pdl_supported(torch.device("cuda")), single_root=True)
+    return dict(dataclasses.asdict(GDNTuning.for_shape(n, torch.device("cuda"))), single_root=True)
+
+
+def verify_kwargs(n, cfg):
+    """A timed configuration as `tree_gdn_verify`'s single_root and tuning for trees of n nodes."""
+    fields = {key: val for key, val in cfg.items() if key != "single_root"}
+    return dict(single_root=cfg.get("single_root"),
+                tuning=dataclasses.replace(GDNTuning.for_shape(n, torch.device("cuda")), **fields))
 
 
 def configs_for(n, quick=False):
     """The configurations timed for n nodes; `quick`: the default, and the same with PDL, the split
     prep, the root fold (single_root), the warps of the solve or of the prep, or the inverse's
     substitution blocks toggled (and, with the split prep, 2-warp diagonal programs or 32-column solve
-    dots), and W_t read early in the solve (w_early) toggled, with the default or PDL toggled.
-    Session 8 also timed 128-column solve dots (slower from 64 nodes, equal below), a 1- or
-    8-warp solve, 32-wide V tiles and 64-column prep tiles at 129 nodes (all slower)."""
+    dots)."""
     if quick:
         d = default_config(n)
         out = [d, dict(d, pdl=not d["pdl"]), dict(d, prep_split=not d["prep_split"])]
         if root_folded(True, n, d["block_t"]):
             out.append(dict(d, single_root=False))
-        # warps per launch and the diagonal inverse's substitution blocks (session 8)
+        # warps per launch and the diagonal inverse's substitution blocks
         out += [dict(d, num_warps=2 if d["num_warps"] == 4 else 4),
                 dict(d, prep_warps=2 if d["prep_warps"] == 4 else 4),
                 dict(d, inv_base=16 if d["inv_base"] != 16 else 8)]
         if d["prep_split"]:
             out += [dict(d, diag_warps=2), dict(d, solve_kc=32)]
-        # W_t read at the top of each solve block or after the dots over earlier blocks (session 10)
-        out += [dict(c, w_early=not d["w_early"]) for c in (d, dict(d, pdl=not d["pdl"]))]
         if not pdl_supported(torch.device("cuda")):
             out = [c for c in out if not c["pdl"]]
         return [c for i, c in enumerate(out) if c not in out[:i]]
     # the default first: the budget may stop the sweep, never the default
-    out = [default_config(n)] + [dict(c, single_root=True) for c in CONFIGS
+    out = [default_config(n)] + [dict(default_config(n), **c) for c in CONFIGS
                                  if c["block_t"] <= max(16, n) and c["block_c"] <= max(32, n)]
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
@@ -169,8 +165,9 @@ def floor_us(n, in_bytes=2):
 
 
 def verify_call(d, cfg, stages=("prep", "solve")):
+    """The verify of inputs d (from `make_inputs`, with their ancestor bits) in configuration cfg."""
     return tree_gdn_verify(d["q"], d["k"], d["v"], d["g"], d["beta"], None, d["num"], d["pool"],
-                           d["sidx"], anc=d["anc"], stages=stages, **cfg)
+                           d["sidx"], anc=d["anc"], stages=stages, **verify_kwargs(d["q"].shape[1], cfg))
 
 
 def bench(n, kind, layers, with_fla, results, warm=False, t_end=float("inf"), quick=False):

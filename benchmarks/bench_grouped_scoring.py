@@ -11,22 +11,22 @@ agreement with the gather kernels.
     python benchmarks/bench_grouped_scoring.py --out out/grouped_scoring.json
 """
 import argparse
+import dataclasses
 
 import torch
 from _timing import env_info, fwd_bwd_ms  # (also puts the repo root on sys.path)
 
 from benchmarks.train_bench import replay_candidates, union_stats
 from tfm_kernels.candidate_logits import candidate_log_probs
-from tfm_kernels.candidate_logits.grouped import _config, grouped_candidate_log_probs
+from tfm_kernels.candidate_logits.grad import HiddenGradTuning, candidate_hidden_grad
+from tfm_kernels.candidate_logits.grouped import GroupedTuning, grouped_candidate_log_probs
 from tfm_runtime.io import atomic_write_json
 
 V, D, L, K = 248320, 5120, 15, 512
-# overrides of tfm_kernels.candidate_logits.grouped._config, and "precision" of the union backward's dot: the default
-# (session 11: union backward in 32 union rows x 512 hidden columns, the next block's ids read ahead, fp32 score
-# gradient scattered by atomics and rounded to bf16 in the dot), then one setting changed at a time, the gather
-# backward (the default of sessions 7-10) and session 10's union blocks (64 x 128)
-SWEEP = [{}, dict(bwd_ids_ahead=False), dict(bwd_bu=16), dict(bwd_bd=256), dict(bwd_bd=256, bwd_ids_ahead=False),
-         dict(stages=4), dict(bwd_gather=True), dict(bwd_bu=64, bwd_bd=128), dict(precision="tf32")]
+# GroupedTuning fields to change from the default, and "precision" of the union backward's dot: the default, then
+# one setting changed at a time
+SWEEP = [{}, dict(bwd_bu=16), dict(bwd_bd=256), dict(num_stages=4), dict(bwd_bu=64, bwd_bd=128),
+         dict(precision="tf32")]
 
 
 def profile(fn, q, iters=3):
@@ -39,15 +39,11 @@ def profile(fn, q, iters=3):
     return {e.key[:90]: round(e.device_time_total / iters / 1e3, 3) for e in rows}
 
 
-# launch configurations of the gather backward (tfm_kernels/candidate_logits/grad.py; {} = the default: 8 x 512
-# tiles, 4 warps, 3 stages, chosen by session 7's sweeps over 32 x 256 and 16 x 512)
+# HiddenGradTuning fields of the gather backward (tfm_kernels/candidate_logits/grad.py) to change from the default
+# ({} = 8 x 512 tiles, 4 warps, 3 stages)
 HIDDEN_GRAD_SWEEP = [{}, dict(block_c=32, block_d=256), dict(block_c=8, block_d=512), dict(block_c=16, block_d=1024),
-                     dict(block_c=8, block_d=1024), dict(warps=8, block_c=16, block_d=1024), dict(stages=4),
-                     dict(stages=2), dict(warps=2), dict(block_c=32, block_d=512),
-                     # session 9: the next block's rows loaded before this block's products
-                     dict(prefetch=True), dict(prefetch=True, block_c=4), dict(prefetch=True, block_d=256),
-                     dict(prefetch=True, block_c=4, block_d=1024), dict(prefetch=True, block_c=16, block_d=256),
-                     dict(prefetch=True, block_c=2, block_d=1024)]
+                     dict(block_c=8, block_d=1024), dict(num_warps=8, block_c=16, block_d=1024), dict(num_stages=4),
+                     dict(num_stages=2), dict(num_warps=2), dict(block_c=32, block_d=512)]
 
 
 def hidden_grad_sweep(weight, cand, iters, sweep=HIDDEN_GRAD_SWEEP):
@@ -55,11 +51,12 @@ def hidden_grad_sweep(weight, cand, iters, sweep=HIDDEN_GRAD_SWEEP):
     largest deviation from the default's output."""
     import statistics
 
-    from tfm_kernels.candidate_logits.grad import candidate_hidden_grad
     dl = torch.randn(cand.shape, device=cand.device) * 1e-3
     want = candidate_hidden_grad(dl, weight, cand, 1.0, torch.bfloat16)
+    default = HiddenGradTuning.for_shape(cand.shape[1], weight.shape[1])
     out = []
-    for tuning in sweep:
+    for changes in sweep:
+        tuning = dataclasses.replace(default, **changes)
         ts = []
         for i in range(iters + 2):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -69,8 +66,9 @@ def hidden_grad_sweep(weight, cand, iters, sweep=HIDDEN_GRAD_SWEEP):
             torch.cuda.synchronize()
             if i >= 2:
                 ts.append(a.elapsed_time(b))
-        out.append(dict(tuning=tuning, ms=statistics.median(ts), max_abs_diff=(got.float() - want.float()).abs().max().item()))
-        print(f"hidden grad {tuning}: {out[-1]['ms']:.2f} ms (max diff {out[-1]['max_abs_diff']:.1e})", flush=True)
+        out.append(dict(tuning=changes, ms=statistics.median(ts),
+                        max_abs_diff=(got.float() - want.float()).abs().max().item()))
+        print(f"hidden grad {changes}: {out[-1]['ms']:.2f} ms (max diff {out[-1]['max_abs_diff']:.1e})", flush=True)
     return out
 
 
@@ -113,12 +111,14 @@ def main():
     for rows in args.groups:
         G = rows * L
         u = union_stats(cand, G, weight)
-        row = dict(rows_per_group=rows, query_rows=G, **u, default=_config(u["union_max"], D, G), configs=[])
+        default = GroupedTuning.for_shape(M, K, D, G)
+        row = dict(rows_per_group=rows, query_rows=G, **u, default=dataclasses.asdict(default), configs=[])
         for tuning in [SWEEP[i] for i in args.sweep] if args.sweep else SWEEP:
             def fn(tuning=tuning):
                 t = dict(tuning)
-                return grouped_candidate_log_probs(q, weight, cand, G, bias=bias, precision=t.pop("precision", None),
-                                                   tuning=t)
+                precision = t.pop("precision", None)
+                return grouped_candidate_log_probs(q, weight, cand, G, bias=bias, precision=precision,
+                                                   tuning=dataclasses.replace(default, **t))
             try:
                 ms = fwd_bwd_ms(fn, q, args.iters)
                 q.grad = None

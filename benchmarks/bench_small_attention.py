@@ -16,13 +16,11 @@ import json
 import torch
 from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
 
-import tfm_kernels.small_attention.triton as sa_triton
 from tfm_kernels.small_attention import small_attention, small_attention_ref
 from tfm_runtime.io import atomic_write_json
 from tfm_runtime.models.weaver import _small_attention_bmm, chain_mask
 
 PEAK_BW = 4.8e12
-SWEEP_WARPS = (1, 2, 4, 8)                                                        # --sweep: num_warps of each kernel
 
 
 def make_set(B, nh, T, hd, dtype, dev, gen):
@@ -47,7 +45,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/small_attention_h200.json")
     ap.add_argument("--rows", type=int, default=1024, help="B (training rows)")
-    ap.add_argument("--sweep", action="store_true", help="also time the kernel at each num_warps of SWEEP_WARPS")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_small_attention needs a CUDA device")
@@ -76,18 +73,6 @@ def main():
             row[kind + "_over_floor"] = row[kind]["us"] / floors[kind]
         res["paths"][name] = row
         atomic_write_json(a.out, res)                                            # partial results survive a time-out
-    if a.sweep:
-        res["sweep"] = []
-        for which in ("fwd", "bwd"):
-            for warps in SWEEP_WARPS:
-                sa_triton.WARPS_OVERRIDE[which] = warps
-                with torch.no_grad():
-                    t_fwd = time_calls([lambda s=s: fwd(small_attention, s[0], mask) for s in sets])["us"]
-                t_all = time_calls([lambda s=s: fwd_bwd(small_attention, s[0], s[1], mask) for s in sets])["us"]
-                res["sweep"].append(dict(kernel=which, num_warps=warps, fwd_us=t_fwd, fwd_bwd_us=t_all))
-                print(f"sweep {which} num_warps={warps}: fwd {t_fwd:.1f} us, fwd+bwd {t_all:.1f} us")
-            sa_triton.WARPS_OVERRIDE.clear()
-        atomic_write_json(a.out, res)
     print(f"B={B} nh={nh} T=S={T} hd={hd} bf16; floors: fwd {floors['fwd']:.1f} us, fwd+bwd {floors['fwd_bwd']:.1f} us")
     print(f"{'path':>13} {'fwd us':>9} {'x floor':>8} {'fwd+bwd us':>11} {'x floor':>8} {'rel-rms':>9}")
     for name, r in res["paths"].items():

@@ -10,18 +10,20 @@ KV, (a) with the KV heads repeated G times beforehand (not timed) and (b) with `
     TRITON_INTERPRET=1 python benchmarks/bench_tree_attention.py --smoke   # CPU check of the script
 """
 import argparse
+import dataclasses
 import json
 
 import torch
 from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
 
 from tfm_kernels.tree_attention.ref import tree_attention_ref
-from tfm_kernels.tree_attention.triton import pick_config, tree_attention, tree_attention_fwd
+from tfm_kernels.tree_attention.triton import TreeAttentionTuning, launch_config, tree_attention
 from tfm_kernels.tree_utils import ancestor_mask, pack_bits
 from tfm_runtime.io import atomic_write_json
 
 PEAK_BW, PEAK_BF16 = 4.8e12, 989e12
-# Tuning sweep (keyword overrides of pick_config), timed on a few cases only.
+# Tuning sweep (TreeAttentionTuning fields to change from the default; splits_x: that many times the default
+# split count), timed on a few cases only.
 SWEEP = [dict(block_m=64, block_n=32, num_warps=4), dict(block_m=64, block_n=64, num_warps=4),
          dict(block_m=128, block_n=64, num_warps=8), dict(block_m=128, block_n=32, num_warps=8, num_stages=3),
          dict(block_m=32, block_n=32, num_warps=4, num_stages=3), dict(splits_x=2), dict(splits_x=0.5)]
@@ -71,7 +73,8 @@ def bench_case(L, n, shape, dtype, dev, sweep):
     ref_o, _ = tree_attention_ref(**args[0])
     row = dict(L=L, n=n, Hq=Hq, Hkv=Hkv, D=D, dtype=str(dtype).replace("torch.", ""),
                mean_visible_tree_keys=round(sets[0]["anc_bool"].float().sum().item() / n, 2))
-    cfg = pick_config(1, n, Hq // Hkv, Hkv, D, L, torch.device(dev))
+    default = TreeAttentionTuning.for_shape(n, Hq // Hkv, D, dtype.itemsize)
+    cfg = launch_config(1, n, Hq // Hkv, Hkv, D, L, torch.device(dev), default)
     row["config"] = cfg
     row["triton_rel_rms"] = rel_rms(ref_o, tree_attention(**args[0]))
     row["triton"] = time_calls([lambda a=a: tree_attention(**a) for a in args])
@@ -97,12 +100,11 @@ def bench_case(L, n, shape, dtype, dev, sweep):
             x = ov.pop("splits_x", None)
             if x is not None:
                 ov["num_splits"] = max(1, int(round(cfg["num_splits"] * x)))
-            c = pick_config(1, n, Hq // Hkv, Hkv, D, L, torch.device(dev), ov.pop("num_splits", None), **ov)
-            entry = dict(config=c)
+            tuning = dataclasses.replace(default, **ov)
+            entry = dict(config=launch_config(1, n, Hq // Hkv, Hkv, D, L, torch.device(dev), tuning))
 
-            def fn(a, c=c):
-                return tree_attention_fwd(a["q"], a["k_tree"], a["v_tree"], a["k_prefix"], a["v_prefix"],
-                                          a["prefix_len"], a["anc"], a["num_nodes"], D ** -0.5, False, c)
+            def fn(a, tuning=tuning):
+                return tree_attention(**a, tuning=tuning)
             try:
                 entry["rel_rms"] = rel_rms(ref_o, fn(args[0]))
                 entry.update(time_calls([lambda a=a: fn(a) for a in args]))

@@ -5,12 +5,13 @@ node-by-node recurrence (`tfm_kernels.gdn_tree.ref`): o, the stashed V', G and t
 three leaves (deepest, last, root) written into fresh slots; the source slot and the pool must be
 unchanged by verify. o is stored in the input dtype (bf16 rounding alone gives ~1.7e-3 rel-RMS).
 """
+import dataclasses
 import json
 import time
 
 import torch
 
-from tfm_kernels.gdn_tree import ref, tree_gdn_commit, tree_gdn_verify
+from tfm_kernels.gdn_tree import GDNTuning, ref, tree_gdn_commit, tree_gdn_verify
 
 H, HV, K, V = 16, 48, 128, 128
 
@@ -61,9 +62,11 @@ def check_case(case, warm=False):
     cpu, d = make_inputs(B, N, n, kind, dtype, sd, vf, seed=case.get("seed", 0),
                          gnorm=case.get("gnorm", 1.0), p_chain=case.get("p_chain", 0.6))
     before = d["pool"].clone()
+    tuning = GDNTuning.for_shape(N, d["v"].device)
+    if case.get("block_t"):
+        tuning = dataclasses.replace(tuning, block_t=case["block_t"])
     o, st = tree_gdn_verify(d["q"], d["k"], d["v"], d["g"], d["beta"], d["parent"], d["num"],
-                            d["pool"], d["sidx"], state_v_first=vf, precision=prec,
-                            block_t=case.get("block_t"))
+                            d["pool"], d["sidx"], state_v_first=vf, precision=prec, tuning=tuning)
     torch.cuda.synchronize()
     if warm:
         tree_gdn_commit(d["pool"], d["sidx"], d["num"] - 1, st, precision=prec)

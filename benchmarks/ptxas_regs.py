@@ -1,10 +1,10 @@
 """Registers and spills of the GDN tree kernels on sm_90, compiled on a machine without a GPU.
 
-    python benchmarks/ptxas_regs.py prep:16:32:3:4 solve:16:16:4:1:64 [--maxnreg 128] [--pdl]
+    python benchmarks/ptxas_regs.py prep:16:32:3:4 solve:16:16:4:64 [--maxnreg 128] [--pdl]
 
 prep:BT:BC:NW:warps[:part] (part 0: one launch, 1: diagonal programs, 2: tiles of a split prep; the
 diagonal inverse over 8-node blocks)
-and solve:BT:BV:warps:prefetch:KC (Qwen3.6-27B shapes: K = V = 128, bf16 q/k/v,
+and solve:BT:BV:warps:KC (Qwen3.6-27B shapes: K = V = 128, bf16 q/k/v,
 GV = 3). Triton lowers to PTX for the target without a driver; the ptxas shipped with Triton
 reports registers and spill bytes (`-v`), which decide how many programs fit on an SM.
 """
@@ -51,11 +51,10 @@ def ptxas_report(fn, consts, num_warps, maxnreg=None, num_stages=3):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("specs", nargs="+", help="prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:prefetch:KC")
+    ap.add_argument("specs", nargs="+", help="prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:KC")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap (prep launches)")
     ap.add_argument("--pdl", action="store_true", help="with programmatic dependent launch")
     ap.add_argument("--root", action="store_true", help="with the root fold (single_root)")
-    ap.add_argument("--w-early", action="store_true", help="the solve reads W_t at the top of each block")
     args = ap.parse_args()
     for spec in args.specs:
         kind, *v = spec.split(":")
@@ -64,13 +63,12 @@ def main():
             c = dict(NW=v[2], BT=v[0], BK=128, BC=v[1], USE_L2NORM=True, DOT_PREC="tf32", PDL=args.pdl,
                      PART=v[4] if len(v) == 5 else 0, ROOT=int(args.root), INV_BASE=8, INV_PREC="tf32x3")
             print(spec, ptxas_report(tree_gdn_prep_kernel, c, v[3], args.maxnreg), flush=True)
-        elif kind == "solve" and len(v) == 5:
-            c = dict(BT=v[0], BK=128, BV=v[1], KC=v[4], STATE_V_FIRST=False, DOT_PREC="tf32",
-                     PREFETCH=bool(v[3]), PDL=args.pdl, ROOT=int(args.root), USE_L2NORM=True,
-                     W_EARLY=args.w_early)
+        elif kind == "solve" and len(v) == 4:
+            c = dict(BT=v[0], BK=128, BV=v[1], KC=v[3], STATE_V_FIRST=False, DOT_PREC="tf32",
+                     PDL=args.pdl, ROOT=int(args.root), USE_L2NORM=True)
             print(spec, ptxas_report(tree_gdn_solve_kernel, c, v[2], num_stages=1), flush=True)  # as launched
         else:
-            sys.exit(f"expected prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:prefetch:KC, got {spec!r}")
+            sys.exit(f"expected prep:BT:BC:NW:warps[:part] or solve:BT:BV:warps:KC, got {spec!r}")
 
 
 if __name__ == "__main__":

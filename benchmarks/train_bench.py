@@ -11,6 +11,7 @@ go through the real trainer objective under DeepSpeed (ZeRO-2, bf16 on GPU). The
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -210,7 +211,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--step-scoring", choices=["gather", "grouped"], default="grouped",
                     help="candidate scoring inside the training step: per-candidate gathers, or grouped "
                          "(--score-group rows per group; the train config's score_group_rows)")
-    ap.add_argument("--score-tuning", help='with --step-scoring grouped: launch overrides as JSON, e.g. {"bwd_gather": true}')
+    ap.add_argument("--score-tuning", help="with --step-scoring grouped: GroupedTuning fields to change from the "
+                                           'default, as JSON, e.g. {"bwd_bd": 256}')
     ap.add_argument("--compile", action="store_true", help="torch.compile the objective's forward (as the train config's compile: auto does on GPU)")
     ap.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                     default="default", help="torch.compile mode with --compile (reduce-overhead: CUDA graphs for the "
@@ -235,7 +237,8 @@ def main(argv=None) -> dict:
     from pipelines.train.loop import init_distributed
     from pipelines.train.optim import make_optimizer
     from pipelines.train.weaver_task import WeaverObjective, depth_weights, flops_per_row, initial_weaver
-    from tfm_runtime.models.weaver import Weaver, WeaverConfig
+    from tfm_kernels.candidate_logits.grouped import GroupedTuning
+    from tfm_runtime.models.weaver import WeaverConfig, WeaverScoring
 
     cuda = torch.cuda.is_available()
     rank, world, local = init_distributed("cuda" if cuda else "cpu")
@@ -243,7 +246,6 @@ def main(argv=None) -> dict:
     if cuda:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if cuda else torch.float32
-    Weaver.use_candidate_kernels = not args.torch_scores
     scores = ("torch weight[cand] + bmm" if args.torch_scores or not cuda else
               f"triton grouped kernels ({args.score_group} rows per group)" if args.step_scoring == "grouped" else
               "triton gather kernels")
@@ -260,10 +262,15 @@ def main(argv=None) -> dict:
     g = torch.Generator(device=device).manual_seed(0)                 # on the device: 1.3G values at the preset
     embed = torch.randn(p["vocab"], p["d_model"], generator=g, device=device).to(dtype) * 0.02
     lm_head = torch.randn(p["vocab"], p["d_model"], generator=g, device=device).to(dtype) * 0.02
-    obj = WeaverObjective(initial_weaver(wcfg, 0), embed, lm_head, kind=args.loss, weights=depth_weights(p["L"], None))
+    scoring = WeaverScoring(kernels=not args.torch_scores)
     if args.step_scoring == "grouped":
-        obj.weaver.candidate_group_rows = args.score_group
-        obj.weaver.candidate_group_tuning = json.loads(args.score_tuning) if args.score_tuning else None
+        tuning = None
+        if args.score_tuning:                       # the step's shapes: micro x L query rows, score_group x L per group
+            default = GroupedTuning.for_shape(micro * p["L"], p["K"], p["d_model"], args.score_group * p["L"])
+            tuning = dataclasses.replace(default, **json.loads(args.score_tuning))
+        scoring = WeaverScoring(kernels=not args.torch_scores, group_rows=args.score_group, tuning=tuning)
+    obj = WeaverObjective(initial_weaver(wcfg, 0), embed, lm_head, kind=args.loss, weights=depth_weights(p["L"], None),
+                          scoring=scoring)
     if args.compile:
         obj.forward = torch.compile(obj.forward, mode=args.compile_mode)
     opt = make_optimizer(list(obj.parameters()), lr=3e-4, weight_decay=0.01, grad_clip=1.0,      # as the trainer

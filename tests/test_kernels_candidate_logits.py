@@ -1,21 +1,13 @@
 """Candidate logits + candidate log-softmax (Triton) against the float64 reference."""
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tfm_kernels.candidate_logits import candidate_logits, candidate_logits_ref
+from tfm_kernels.candidate_logits.ref import candidate_logits_full_head
+from tfm_kernels.candidate_logits import CandidateTuning
 
-from tfm_kernels.candidate_logits import candidate_logits, candidate_logits_ref  # noqa: E402
-from tfm_kernels.candidate_logits.ref import candidate_logits_full_head  # noqa: E402
-from tfm_kernels.candidate_logits.triton import candidate_logits_fwd, pick_config  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
 # Logits: relative error; logprobs: absolute error (tfm_kernels.md 7(c)).
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-3)}
 
@@ -58,7 +50,7 @@ CASES = [
 ]
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("M", "Kc", "Dm", "V", "dtype"),
                          [pytest.param(*c, id="M{}-Kc{}-Dm{}-V{}-{}".format(*c)) for c in CASES])
 def test_matches_float64_ref(M, Kc, Dm, V, dtype):
@@ -69,19 +61,19 @@ def test_matches_float64_ref(M, Kc, Dm, V, dtype):
         assert (out[1] == 0).all()
 
 
-@cpu_only
-@pytest.mark.parametrize("cfg", [dict(BLOCK_K=2, BLOCK_D=32), dict(BLOCK_K=16, BLOCK_D=16),
-                                 dict(BLOCK_K=128, BLOCK_D=64), dict(BLOCK_K=4, BLOCK_D=32, PREFETCH=True),
-                                 dict(BLOCK_K=64, BLOCK_D=64, PREFETCH=True)],
+@pytest.mark.interpreter
+@pytest.mark.parametrize("cfg", [(2, 32, False), (16, 16, False), (128, 64, False), (4, 32, True), (64, 64, True)],
                          ids=["K2-D32", "K16-D16", "K128-D64", "K4-D32-prefetch", "K64-D64-prefetch-fused"])
 def test_block_sizes_and_dm_remainder(cfg):
     hidden, weight, cand = make_inputs(5, 37, 75, 200, torch.float32, pad_frac=0.1)
     cand[3] = -1                                                          # an all-pad row
-    out = candidate_logits_fwd(hidden, weight, cand, None, None, True, {**cfg, "num_warps": 4, "num_stages": 1})
+    block_k, block_d, prefetch = cfg
+    tuning = CandidateTuning(block_k=block_k, block_d=block_d, num_warps=4, num_stages=1, prefetch=prefetch)
+    out = candidate_logits(hidden, weight, cand, return_lse=True, tuning=tuning)
     check(out, candidate_logits_ref(hidden, weight, cand), torch.float32)
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_pads_duplicates_and_vocab_edges():
     V = 90
     hidden, weight, _ = make_inputs(4, 6, 40, V, torch.float32)
@@ -98,7 +90,7 @@ def test_pads_duplicates_and_vocab_edges():
     assert torch.isinf(lg[2]).all() and torch.isinf(lp[2]).all() and lse[2] == -math.inf
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_huge_logits_bias_and_temperature():
     hidden, weight, cand = make_inputs(3, 9, 64, 120, torch.float32, scale=1e4)
     bias = torch.randn(3, 9) * 1e3
@@ -111,7 +103,7 @@ def test_huge_logits_bias_and_temperature():
         check(out, ref, torch.float32, atol=1e-6 * ref[0].abs().max().item())
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_full_head_cross_check_and_int64_ids():
     hidden, weight, cand = make_inputs(6, 12, 56, 77, torch.float32, pad_frac=0.3)
     lg, lp = candidate_logits(hidden, weight, cand.long())
@@ -122,7 +114,7 @@ def test_full_head_cross_check_and_int64_ids():
     assert (lp.double()[fin] - full_lp[fin]).abs().max() < 1e-5
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_bad_inputs_raise():
     hidden, weight, cand = make_inputs(2, 3, 16, 10, torch.float32)
     with pytest.raises(ValueError, match="cand"):
@@ -133,7 +125,7 @@ def test_bad_inputs_raise():
         candidate_logits(hidden, weight[:, :8], cand)
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize(("M", "Kc"), [(1, 512), (65, 512), (4096, 8), (7, 100), (64, 1)])
 def test_gpu_bf16(M, Kc):
     hidden, weight, cand = make_inputs(M, Kc, 5120, 32000, torch.bfloat16, pad_frac=0.05, device="cuda")
@@ -142,23 +134,30 @@ def test_gpu_bf16(M, Kc):
     check(out, candidate_logits_ref(hidden, weight, cand, 0.8, bias), torch.bfloat16)
 
 
-
-@gpu_only
-@pytest.mark.parametrize("cfg", [dict(BLOCK_K=4, BLOCK_D=1024, PREFETCH=True),
-                                 dict(BLOCK_K=8, BLOCK_D=512, PREFETCH=True), dict(BLOCK_K=4, BLOCK_D=2048)],
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [(4, 1024, True), (8, 512, True), (4, 2048, False)],
                          ids=["K4-D1024-pf", "K8-D512-pf", "K4-D2048"])
 @pytest.mark.parametrize("M", [16, 65])
 def test_gpu_bf16_prefetch(cfg, M):
     # hidden 5000 is not a multiple of the blocks: the prefetched block past the end is fully masked
     hidden, weight, cand = make_inputs(M, 512, 5000, 32000, torch.bfloat16, pad_frac=0.05, device="cuda")
     inv_t, bias = 0.5 + torch.rand(M, device="cuda"), torch.randn(M, 512, device="cuda")
-    out = candidate_logits_fwd(hidden, weight, cand, inv_t, bias, True, {**cfg, "num_warps": 4, "num_stages": 3})
+    block_k, block_d, prefetch = cfg
+    tuning = CandidateTuning(block_k=block_k, block_d=block_d, num_warps=4, num_stages=3, prefetch=prefetch)
+    out = candidate_logits(hidden, weight, cand, inv_t, return_lse=True, bias=bias, tuning=tuning)
     check(out, candidate_logits_ref(hidden, weight, cand, inv_t, bias), torch.bfloat16)
 
 
-def test_pick_config_prefetches_from_16_rows():
+def test_default_tuning_prefetches_from_16_rows():
     cpu = torch.device("cpu")
-    assert pick_config(64, 512, 5120, cpu) == dict(BLOCK_K=4, BLOCK_D=1024, num_warps=4, num_stages=3, PREFETCH=True)
-    assert not pick_config(1, 512, 5120, cpu).get("PREFETCH")
-    assert not pick_config(4096, 8, 5120, cpu).get("PREFETCH")
-    assert pick_config(16, 1, 100, cpu)["BLOCK_K"] == 2 and pick_config(16, 1, 100, cpu)["BLOCK_D"] == 128
+    assert CandidateTuning.for_shape(64, 512, 5120, cpu) == CandidateTuning(block_k=4, block_d=1024, num_warps=4,
+                                                                            num_stages=3, prefetch=True)
+    assert CandidateTuning.for_shape(1, 512, 5120, cpu) == CandidateTuning(4, 2048, 4, 3, prefetch=False)
+    assert not CandidateTuning.for_shape(4096, 8, 5120, cpu).prefetch
+    tiny = CandidateTuning.for_shape(16, 1, 100, cpu)
+    assert tiny.block_k == 2 and tiny.block_d == 128
+    with pytest.raises(ValueError, match="block_d must be a power of 2"):
+        CandidateTuning(block_k=4, block_d=1000, num_warps=4, num_stages=3, prefetch=False)
+    with pytest.raises(TypeError, match="CandidateTuning"):
+        candidate_logits(torch.zeros(2, 16), torch.zeros(5, 16), torch.zeros(2, 3, dtype=torch.int32),
+                         tuning={"block_k": 4})

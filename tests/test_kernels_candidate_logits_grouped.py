@@ -1,22 +1,15 @@
 """Grouped candidate log-probs (each group's distinct LM-head rows read once) against float64 autograd."""
-import os
+import dataclasses
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from candidate_inputs import assert_grads_match_float64, grads, inputs  # noqa: E402
-from tfm_kernels.candidate_logits.grouped import grouped_candidate_log_probs  # noqa: E402
-from tfm_kernels.candidate_logits.union import group_union  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
+from candidate_inputs import assert_grads_match_float64, grads, inputs
+from tfm_kernels.candidate_logits.grouped import GroupedTuning, grouped_candidate_log_probs
+from tfm_kernels.candidate_logits.union import group_union
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("M", "Kc", "Dm", "V", "group", "dtype", "inv_t", "pad", "chunk", "tuning"), [
     (1, 1, 16, 20, 1, torch.float32, None, 0.0, 1 << 29, None),
     (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, None),     # M not a multiple of the group; pads
@@ -25,17 +18,15 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason
     (20, 40, 32, 400, 20, torch.float32, None, 0.05, 1 << 29, None),  # union over one BU block
     # other blocks in each pass: the forward's union over 3 blocks of 16, the backward's hidden over 3 of 16
     (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(fwd_bu=16, fwd_bd=32, bwd_bu=32, bwd_bd=16)),
-    # the union backward: the next union block's ids read ahead or not; pads and a partial last group; many
-    # duplicates (summed by the score gradient's atomics); chunks of one group
-    (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(bwd_bu=16, bwd_ids_ahead=True)),
-    (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(bwd_bu=16, bwd_ids_ahead=False)),
+    # the union backward over several union blocks (the next block's ids read ahead): pads and a partial last
+    # group; many duplicates (summed by the score gradient's atomics); chunks of one group
+    (20, 9, 40, 400, 7, torch.float32, 0.9, 0.1, 1 << 29, dict(bwd_bu=16)),
     (30, 12, 40, 15, 15, torch.float16, None, 0.1, 1 << 29, dict(bwd_bu=16)),
-    # the backward through the gather kernel
-    (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, dict(bwd_gather=True)),
-    (37, 9, 24, 50, 5, torch.float32, 0.7, 0.2, 1 << 29, dict(bwd_gather=True, bwd_gather_tuning=dict(prefetch=True, block_c=4))),
 ])
 def test_grouped_matches_float64(M, Kc, Dm, V, group, dtype, inv_t, pad, chunk, tuning):
     hidden, weight, cand, bias, w = inputs(M, Kc, Dm, V, dtype, pad, out_of_range_frac=pad / 2)
+    if tuning is not None:
+        tuning = dataclasses.replace(GroupedTuning.for_shape(M, Kc, Dm, group), **tuning)
 
     def ours(h, wt, c, b, inv_t):
         return grouped_candidate_log_probs(h, wt, c, group, bias=b, inv_temperature=inv_t, precision="ieee",
@@ -44,7 +35,7 @@ def test_grouped_matches_float64(M, Kc, Dm, V, group, dtype, inv_t, pad, chunk, 
     assert_grads_match_float64(ours, hidden, weight, cand, bias, w, dtype, inv_t)
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("M", "Kc", "group", "vocab"), [(11, 6, 4, 10), (23, 40, 5, 100), (9, 70, 9, 64), (3, 5, 7, 33)])
 def test_group_union_indexes_every_candidate(M, Kc, group, vocab):
     """Ids across several bitmap words, bit 31 of a word, a vocabulary not a multiple of 32, pads on both sides,
@@ -69,7 +60,22 @@ def test_group_union_indexes_every_candidate(M, Kc, group, vocab):
                 assert pos[m, c] == -1
 
 
-@cpu_only
+@pytest.mark.interpreter
+def test_bias_gradient_alone():
+    """hidden needs no gradient: the backward is the log-softmax's alone (no LM-head rows are read)."""
+    from tfm_kernels.candidate_logits import candidate_logits_ref
+    hidden, weight, cand, bias, w = inputs(13, 6, 24, 40, torch.float32, 0.2, out_of_range_frac=0.1)
+    b = bias.clone().requires_grad_()
+    lp = grouped_candidate_log_probs(hidden, weight, cand, 4, bias=b, precision="ieee")
+    (w * lp.masked_fill(~torch.isfinite(lp), 0)).sum().backward()
+    b64 = bias.double().requires_grad_()
+    lp64 = candidate_logits_ref(hidden.double(), weight.double(), cand, None, b64)[1]
+    (w.double() * lp64.masked_fill(~torch.isfinite(lp64), 0)).sum().backward()
+    assert torch.equal(torch.isfinite(lp), torch.isfinite(lp64))
+    assert (b.grad.double() - b64.grad).abs().max() < 1e-5
+
+
+@pytest.mark.interpreter
 def test_all_pad_row_and_bad_input():
     hidden, weight, cand, bias, w = inputs(6, 5, 32, 40, torch.float32)
     cand[1] = -1
@@ -91,11 +97,13 @@ def test_all_pad_row_and_bad_input():
     for prec in ("bf16", "fp8"):  # bf16 needs 16-bit hidden and a bf16 weight
         with pytest.raises(ValueError, match="precision must be"):
             grouped_candidate_log_probs(hidden, weight, cand, 3, precision=prec)
-    with pytest.raises(ValueError, match="unknown tuning keys"):
-        grouped_candidate_log_probs(hidden, weight, cand, 3, tuning={"block": 32})
+    with pytest.raises(TypeError, match="GroupedTuning"):
+        grouped_candidate_log_probs(hidden, weight, cand, 3, tuning={"bwd_bd": 32})
+    with pytest.raises(ValueError, match="bwd_bu must be a power of 2"):
+        dataclasses.replace(GroupedTuning.for_shape(6, 5, 32, 3), bwd_bu=24)
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("group", [60, 120])
 def test_gpu_bf16_training_shape_matches_the_gather_kernel(group):
     """4 or 8 rows x 15 depths x 512 candidates per group (the backward's hidden blocks: 512 and 256 columns),
@@ -115,18 +123,17 @@ def test_gpu_bf16_training_shape_matches_the_gather_kernel(group):
     assert (db - db_g).abs().max() < 1e-3
 
 
-@gpu_only
-@pytest.mark.parametrize("tuning", [None, dict(bwd_gather=True)])
-def test_gpu_forward_and_backward_never_sync(tuning):
+@pytest.mark.gpu
+def test_gpu_forward_and_backward_never_sync():
     """The union's size is fixed by the shapes (no read-back), so a training step can run ahead of the GPU:
     CUDA's sync debug mode raises on any host sync inside the call and its backward."""
     hidden, weight, cand, bias, w = inputs(4 * 15, 512, 256, 32000, torch.bfloat16, 0.01, "cuda")
     hidden.requires_grad_(True)
-    grouped_candidate_log_probs(hidden, weight, cand, 60, bias=bias, tuning=tuning).sum().backward()  # compile
+    grouped_candidate_log_probs(hidden, weight, cand, 60, bias=bias).sum().backward()  # compile
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        lp = grouped_candidate_log_probs(hidden, weight, cand, 60, bias=bias, tuning=tuning)
+        lp = grouped_candidate_log_probs(hidden, weight, cand, 60, bias=bias)
         (lp.masked_fill(~torch.isfinite(lp), 0) * w).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -2,34 +2,22 @@
 
 On a machine without CUDA the kernels run under the Triton interpreter (fp32/fp16, tiny shapes).
 """
-import math
-import os
+import dataclasses
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from tfm_kernels.gdn_tree import (check_parents, ref, tree_ancestor_bits, tree_conv1d,  # noqa: E402
+from tfm_kernels.gdn_tree import (GDNTuning, check_parents, ref, tree_ancestor_bits, tree_conv1d,
                               tree_conv1d_commit, tree_gdn_commit, tree_gdn_verify)
-from tfm_kernels.gdn_tree.verify import root_folded  # noqa: E402
+from tfm_kernels.gdn_tree.verify import root_folded
+from tfm_kernels.launch import pdl_supported
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
+pytestmark = pytest.mark.usefixtures("poison_empty")   # unwritten outputs are NaN and fail
 
 
-@pytest.fixture(autouse=True)
-def poison_empty(monkeypatch):
-    """Fresh float buffers are NaN, so any output element a kernel forgets to write fails."""
-    real, real_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(math.nan) if t.is_floating_point() else t
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_like(*a, **k)))
+def tuned(N, device, **changes):
+    """The default tuning for N nodes on `device` with some fields changed."""
+    return dataclasses.replace(GDNTuning.for_shape(N, torch.device(device)), **changes)
 
 
 def rel_rms(out, ref_):
@@ -82,11 +70,9 @@ VERIFY_CASES = [
     (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 16, "block_c": 64}),
     (2, 200, [200, 150], 1, 2, 16, 16, "random", torch.float32, {"block_t": 32, "block_c": 128}),
     (1, 256, [250], 1, 1, 16, 16, "random", torch.float32, {"block_t": 16, "p_chain": 0.8}),
-    # the solve without the next block's prefetch, and a prep whose last column chunk is partial
-    (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 16, "prefetch": False}),
+    # 16-column solve dots, and a prep whose last column chunk is partial
     (2, 100, [100, 61], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 16, "solve_kc": 16}),
-    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64,
-                                                               "prefetch": False}),
+    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64}),
     # the prep as two launches (diagonals, then tiles reading back G and the norms)
     (1, 70, [70], 2, 4, 16, 16, "random", torch.float16, {"block_t": 16, "prep_split": True}),
     (2, 200, [200, 77], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "block_c": 64,
@@ -120,8 +106,7 @@ VERIFY_CASES = [
     (1, 17, [17], 2, 4, 16, 16, "random", torch.float32, {"single_root": True, "prenorm": True,
                                                           "l2norm": False}),
     (1, 17, [17], 2, 4, 16, 16, "chain", torch.float32, {"single_root": True, "g_const": -30.0}),
-    (2, 81, [81, 70], 1, 2, 16, 16, "spine", torch.float32, {"single_root": True, "solve_kc": 16,
-                                                            "prefetch": False}),
+    (2, 81, [81, 70], 1, 2, 16, 16, "spine", torch.float32, {"single_root": True, "solve_kc": 16}),
     # diagonal inverses from 4- or 8-node blocks merged by doublings (one, two, three factors)
     (1, 16, [16], 2, 4, 16, 16, "random", torch.float32, {"inv_base": 4}),
     (1, 16, [16], 2, 4, 16, 16, "chain", torch.float32, {"inv_base": 16}),
@@ -129,14 +114,14 @@ VERIFY_CASES = [
     (1, 70, [70], 1, 2, 16, 16, "random", torch.float32, {"block_t": 64, "inv_base": 4}),
     (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "prep_split": True,
                                                             "inv_base": 4}),
-    # W_t read after the dots over earlier blocks (the default reads it at the block's top)
-    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True, "w_early": False}),
-    (2, 100, [100, 45], 1, 2, 16, 16, "spine", torch.float32, {"block_t": 32, "w_early": False,
-                                                               "prefetch": False}),
+    # the default tuning at 65 nodes (2-warp solve, 4-warp prep programs) with the root folded
+    (2, 65, [65, 40], 2, 4, 16, 16, "eagle", torch.float32, {"single_root": True}),
 ]
+# the keys of a case's extra that are GDNTuning fields
+TUNING_KEYS = {f.name for f in dataclasses.fields(GDNTuning)}
 
 
-def run_verify(case, seed=0):
+def run_verify(case, dev, seed=0):
     B, N, ns, H, HV, K, V, kind, dtype, extra = case
     gen = torch.Generator().manual_seed(seed)
     parent, num = make_batch(B, N, ns, kind, gen, extra.get("p_chain", 0.5))
@@ -150,14 +135,12 @@ def run_verify(case, seed=0):
             for t in (q, k, v, g, beta):
                 t[b, n:] = float("nan")
     vf, l2 = extra.get("v_first", False), extra.get("l2norm", True)
-    dpool = (pool.transpose(-1, -2) if vf else pool).contiguous().to(DEV)
+    dpool = (pool.transpose(-1, -2) if vf else pool).contiguous().to(dev)
     before = dpool.clone()
-    d = [t.to(DEV) for t in (q, k, v, g, beta, parent, num, sidx)]
+    d = [t.to(dev) for t in (q, k, v, g, beta, parent, num, sidx)]
+    tuning = tuned(N, dev, **{key: val for key, val in extra.items() if key in TUNING_KEYS})
     o, stash = tree_gdn_verify(*d[:7], dpool, d[7], use_qk_l2norm=l2, state_v_first=vf,
-                               precision="ieee", block_t=extra.get("block_t"), block_c=extra.get("block_c"),
-                               prefetch=extra.get("prefetch", True), prep_split=extra.get("prep_split"),
-                               solve_kc=extra.get("solve_kc"), single_root=extra.get("single_root"),
-                               inv_base=extra.get("inv_base"), w_early=extra.get("w_early"))
+                               precision="ieee", single_root=extra.get("single_root"), tuning=tuning)
     assert torch.equal(dpool, before), "verify wrote the committed state"
     if extra.get("nan_padding"):
         for b, n in enumerate(ns):  # the float64 reference reads nothing past n either
@@ -174,8 +157,8 @@ def run_verify(case, seed=0):
 @pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: "B{}-N{}-H{}-HV{}-K{}-V{}-{}-{}".format(
     c[0], c[1], c[3], c[4], c[5], c[6], c[7], str(c[8])[6:]) + "".join(
         f"-{a}{b}" for a, b in c[9].items()))
-def test_verify_matches_float64(case):
-    r = run_verify(case)
+def test_verify_matches_float64(case, kernel_device):
+    r = run_verify(case, kernel_device)
     tol = 1e-5 if r["dtype"] == torch.float32 else 2e-3
     for name, out, want in (("o", r["o"], r["ro"]), ("vnew", r["stash"].vnew, r["rv"]),
                             ("G", r["stash"].G, r["rG"])):
@@ -189,41 +172,43 @@ def test_verify_matches_float64(case):
 
 
 @pytest.mark.parametrize("N,extra", [(14, {}), (17, {"single_root": True})])
-def test_commit_every_node_and_out_idx(N, extra):
+def test_commit_every_node_and_out_idx(N, extra, kernel_device):
+    dev = kernel_device
     case = (2, N, [N, 11], 2, 4, 16, 32, "random", torch.float32, extra)
-    r = run_verify(case, seed=3)
-    pool, sidx = r["dpool"], r["sidx"].to(DEV)
+    r = run_verify(case, dev, seed=3)
+    pool, sidx = r["dpool"], r["sidx"].to(dev)
     out_idx = torch.tensor([s for s in range(pool.shape[0]) if s not in r["sidx"].tolist()][:2],
-                           dtype=torch.int32, device=DEV)
+                           dtype=torch.int32, device=dev)
     src = pool[sidx.long()].clone()
     for a in range(N):
-        leaf = torch.tensor([a, min(a, 10)], device=DEV)
+        leaf = torch.tensor([a, min(a, 10)], device=dev)
         tree_gdn_commit(pool, sidx, leaf, r["stash"], out_idx=out_idx, precision="ieee")
         assert torch.equal(pool[sidx.long()], src), "commit into out_idx touched the source slot"
         for b in range(2):
             assert rel_rms(pool[out_idx[b].long()], r["S"][b, int(leaf[b])]) < 1e-5, (a, b)
     # in place, and leaf = -1 (nothing accepted) keeps S0
-    tree_gdn_commit(pool, sidx, torch.tensor([5, -1], device=DEV), r["stash"], precision="ieee")
+    tree_gdn_commit(pool, sidx, torch.tensor([5, -1], device=dev), r["stash"], precision="ieee")
     assert rel_rms(pool[sidx[0].long()], r["S"][0, 5]) < 1e-5
     assert torch.equal(pool[sidx[1].long()], src[1])
 
 
-def test_two_step_consistency():
+def test_two_step_consistency(kernel_device):
     """verify -> commit leaf -> verify a new tree == one float64 run over the concatenated path."""
     gen = torch.Generator().manual_seed(5)
     H, HV, K, V, n1, n2 = 2, 4, 16, 16, 12, 10
     p1 = ref.make_tree(n1, "random", generator=gen)
     p2 = ref.make_tree(n2, "random", generator=gen)
     q, k, v, g, beta, pool, sidx = make_gdn(1, n1 + n2, H, HV, K, V, torch.float32, gen)
-    dpool = pool.clone().to(DEV)
+    dev = kernel_device
+    dpool = pool.clone().to(dev)
     leaf = n1 - 1
     for sl, par in ((slice(0, n1), p1), (slice(n1, n1 + n2), p2)):
-        args = [t[:, sl].contiguous().to(DEV) for t in (q, k, v, g, beta)]
+        args = [t[:, sl].contiguous().to(dev) for t in (q, k, v, g, beta)]
         n = par.numel()
-        o, stash = tree_gdn_verify(*args, par[None].int().to(DEV), torch.tensor([n], device=DEV),
-                                   dpool, sidx.to(DEV), precision="ieee")
+        o, stash = tree_gdn_verify(*args, par[None].int().to(dev), torch.tensor([n], device=dev),
+                                   dpool, sidx.to(dev), precision="ieee")
         if sl.start == 0:
-            tree_gdn_commit(dpool, sidx.to(DEV), torch.tensor([leaf], device=DEV), stash,
+            tree_gdn_commit(dpool, sidx.to(dev), torch.tensor([leaf], device=dev), stash,
                             precision="ieee")
     # float64: the path root..leaf of tree 1 as a chain, then tree 2 hanging from its end
     path = []
@@ -244,16 +229,17 @@ def test_single_root_folds_node0_only_where_it_saves_a_block():
     assert root_folded(True, 65, 32) == 1 and root_folded(True, 33, 32) == 1 and root_folded(False, 65, 16) == 0
 
 
-def test_single_root_validated_and_detected():
+def test_single_root_validated_and_detected(kernel_device):
+    dev = kernel_device
     gen = torch.Generator().manual_seed(11)
     q, k, v, g, beta, pool, sidx = make_gdn(1, 17, 2, 4, 16, 16, torch.float32, gen)
-    d = [t.to(DEV) for t in (q, k, v, g, beta)]
-    forest = torch.tensor([[-1] + list(range(15)) + [-1]], dtype=torch.int32, device=DEV)
-    num = torch.tensor([17], device=DEV)
+    d = [t.to(dev) for t in (q, k, v, g, beta)]
+    forest = torch.tensor([[-1] + list(range(15)) + [-1]], dtype=torch.int32, device=dev)
+    num = torch.tensor([17], device=dev)
     with pytest.raises(ValueError, match="single_root"):
-        tree_gdn_verify(*d, forest, num, pool.to(DEV), sidx.to(DEV), single_root=True)
+        tree_gdn_verify(*d, forest, num, pool.to(dev), sidx.to(dev), single_root=True)
     # a forest by default: node 16 reads S0, not node 0's state (the float64 reference agrees)
-    o, _ = tree_gdn_verify(*d, forest, num, pool.to(DEV), sidx.to(DEV), precision="ieee")
+    o, _ = tree_gdn_verify(*d, forest, num, pool.to(dev), sidx.to(dev), precision="ieee")
     ro, *_ = ref.tree_gdn_recurrent(q, k, v, g, beta, forest.cpu(), num.cpu(), pool[sidx.long()])
     assert rel_rms(o, ro) < 1e-5
     assert check_parents(forest, torch.tensor([16])) and not check_parents(forest, num)
@@ -274,11 +260,11 @@ def test_references_agree():
 
 
 @pytest.mark.parametrize("N", [5, 33, 70, 256])
-def test_ancestor_bits(N):
+def test_ancestor_bits(N, kernel_device):
     gen = torch.Generator().manual_seed(N)
     ns = [N, N // 2, 0]
     parent, num = make_batch(3, N, ns, "spine", gen, p_chain=0.7)
-    bits = tree_ancestor_bits(parent.to(DEV), num.to(DEV)).cpu()
+    bits = tree_ancestor_bits(parent.to(kernel_device), num.to(kernel_device)).cpu()
     j = torch.arange(N)
     assert torch.equal(((bits[:, :, j // 32] >> (j % 32)) & 1).bool(), ref.ancestor_mask(parent, num))
 
@@ -293,19 +279,30 @@ def test_rejects_non_topological_parents():
         tree_gdn_verify(q, q, v, g, g, parent, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
                         torch.tensor([0], dtype=torch.int32))
     check_parents(parent, torch.tensor([2]))  # the bad node is padding
+
+
+def test_rejects_bad_tuning():
+    q = torch.randn(1, 4, 1, 16)
+    v, g = torch.randn(1, 4, 1, 16), torch.zeros(1, 4, 1)
     ok = torch.tensor([[-1, 0, 1, 2]], dtype=torch.int32)
-    bad_pdl = [] if torch.cuda.is_available() and not INTERPRET else [({"pdl": True}, "compute capability")]
-    for bad, match in [({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t"),
-                       ({"solve_kc": 24}, "solve_kc"), ({"inv_base": 2}, "inv_base")] + bad_pdl:
+    for bad, match in [({"block_c": 48}, "block_c"), ({"block_t": 8}, "block_t"), ({"block_v": 8}, "block_v"),
+                       ({"solve_kc": 24}, "solve_kc"), ({"inv_base": 2}, "inv_base")]:
         with pytest.raises(ValueError, match=match):
-            tree_gdn_verify(q, q, v, g, g, ok, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
-                            torch.tensor([0], dtype=torch.int32), **bad)
+            tuned(4, "cpu", **bad)
+    # PDL where the device cannot run it (CPU tensors)
+    with pytest.raises(ValueError, match="compute capability"):
+        tree_gdn_verify(q, q, v, g, g, ok, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
+                        torch.tensor([0], dtype=torch.int32), tuning=tuned(4, "cpu", pdl=True))
+    with pytest.raises(TypeError, match="GDNTuning"):
+        tree_gdn_verify(q, q, v, g, g, ok, torch.tensor([4]), torch.zeros(1, 1, 16, 16),
+                        torch.tensor([0], dtype=torch.int32), tuning={"block_t": 16})
 
 
 @pytest.mark.parametrize("W,S,bias,act,dtype", [(4, 3, True, "silu", torch.float32),
                                                 (4, 4, False, None, torch.float16),
                                                 (2, 1, True, "silu", torch.float32)])
-def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
+def test_tree_conv1d_and_commit(W, S, bias, act, dtype, kernel_device):
+    dev = kernel_device
     gen = torch.Generator().manual_seed(W + S)
     B, N, D = 3, 19, 24
     parent, num = make_batch(B, N, [19, 6, 4], "random", gen)
@@ -313,9 +310,9 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
     pool = torch.randn(5, D, S, generator=gen).to(dtype)
     w, b = torch.randn(D, W, generator=gen), (torch.randn(D, generator=gen) if bias else None)
     sidx = torch.tensor([3, 0, -1], dtype=torch.int32)
-    dpool = pool.to(DEV)
-    out = tree_conv1d(x.to(DEV), dpool, w.to(DEV), None if b is None else b.to(DEV),
-                      parent.to(DEV), num.to(DEV), sidx.to(DEV), activation=act, block_n=8,
+    dpool = pool.to(dev)
+    out = tree_conv1d(x.to(dev), dpool, w.to(dev), None if b is None else b.to(dev),
+                      parent.to(dev), num.to(dev), sidx.to(dev), activation=act, block_n=8,
                       block_d=16)
     assert torch.equal(dpool.cpu(), pool)
     num_eff = torch.where(sidx >= 0, num, 0)
@@ -324,9 +321,9 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
     out_idx = torch.tensor([1, 2, 4], dtype=torch.int32)
     for a in (-1, 0, 3, 18):
         leaf = torch.tensor([a, min(a, 5), 0])
-        p2 = pool.clone().to(DEV)
-        tree_conv1d_commit(x.to(DEV), p2, leaf.to(DEV), parent.to(DEV), sidx.to(DEV),
-                           out_idx.to(DEV), block_d=16)
+        p2 = pool.clone().to(dev)
+        tree_conv1d_commit(x.to(dev), p2, leaf.to(dev), parent.to(dev), sidx.to(dev),
+                           out_idx.to(dev), block_d=16)
         want = ref.tree_conv1d_commit(x, pool[sidx.long().clamp(min=0)], leaf, parent)
         for r in range(2):
             assert torch.equal(p2[out_idx[r].long()].cpu().double(), want[r].to(dtype).double())
@@ -334,15 +331,17 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype):
         assert torch.equal(p2[4].cpu(), pool[4]), "padded request wrote its out slot"
 
 
-@gpu_only
-@pytest.mark.parametrize("n,kind,cfg", [(16, "chain", None), (65, "eagle", (16, 32, 4)),
-                                        (65, "eagle", (32, 16, 4)), (65, "eagle", (64, 64, 8)),
-                                        (129, "spine", None), (129, "spine", (16, 16, 4)),
-                                        (129, "spine", (32, 64, 8)), (129, "spine", (64, 64, 8)),
-                                        (65, "eagle", "split"), (129, "spine", "split"),
-                                        (65, "eagle", "w_late"), (129, "spine", "w_late"),
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,kind,cfg", [(16, "chain", {}), (65, "eagle", dict(block_t=16, block_v=32, num_warps=4)),
+                                        (65, "eagle", dict(block_t=32, block_v=16, num_warps=4)),
+                                        (65, "eagle", dict(block_t=64, block_v=64, num_warps=8)),
+                                        (129, "spine", {}), (129, "spine", dict(block_t=16, block_v=16, num_warps=4)),
+                                        (129, "spine", dict(block_t=32, block_v=64, num_warps=8)),
+                                        (129, "spine", dict(block_t=64, block_v=64, num_warps=8)),
+                                        (65, "eagle", dict(prep_split=True)), (129, "spine", dict(prep_split=True)),
                                         (65, "eagle", "root"), (129, "spine", "root"),
-                                        (65, "eagle", "inv4"), (129, "spine", "inv4")])
+                                        (65, "eagle", dict(inv_base=4)), (129, "spine", dict(inv_base=4))],
+                         ids=str)
 def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     """Qwen3.6-27B GDN shape, bf16 inputs, tf32 dots: o within bf16 rounding, commit < 2e-3."""
     gen = torch.Generator().manual_seed(n)
@@ -350,17 +349,17 @@ def test_gpu_real_shape_bf16_tf32(n, kind, cfg):
     q, k, v, g, beta, pool, sidx = make_gdn(1, n, 16, 48, 128, 128, torch.bfloat16, gen)
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num, sidx)]
     dpool = pool.cuda()
-    split, root, inv4 = cfg == "split", cfg == "root", cfg == "inv4"
-    bt, bv, nw = (None, None, None) if isinstance(cfg, str) or cfg is None else cfg
-    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], block_t=bt, block_v=bv, num_warps=nw, prep_split=split,
-                               single_root=root, inv_base=4 if inv4 else None, w_early=cfg != "w_late")
+    root = cfg == "root"
+    # the one-launch prep unless the case asks for the split one
+    tuning = tuned(n, "cuda", **{"prep_split": False, **({} if root else cfg)})
+    o, stash = tree_gdn_verify(*d[:7], dpool, d[7], single_root=root, tuning=tuning)
     ro, S, _, _ = ref.tree_gdn_recurrent(q, k, v, g, beta, parent, num, pool[sidx.long()])
     assert rel_rms(o, ro) < 3e-3
     tree_gdn_commit(dpool, d[7], torch.tensor([n - 1], device="cuda"), stash)
     assert rel_rms(dpool[sidx.long()][0], S[0, n - 1]) < 2e-3
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs sm_90+")
 @pytest.mark.parametrize("n", [16, 65, 129])
@@ -374,17 +373,18 @@ def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
     d = [t.cuda() for t in (q, k, v, g, beta, parent, num)]
     dpool, dsidx = pool.cuda(), sidx.cuda()
     anc = tree_ancestor_bits(d[5], d[6])
-    plain, stash = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=False, single_root=single_root)
-    eager, stash_pdl = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
+    on, off = tuned(n, "cuda", pdl=True), tuned(n, "cuda", pdl=False)
+    plain, stash = tree_gdn_verify(*d, dpool, dsidx, anc=anc, tuning=off, single_root=single_root)
+    eager, stash_pdl = tree_gdn_verify(*d, dpool, dsidx, anc=anc, tuning=on, single_root=single_root)
     assert torch.equal(eager, plain) and torch.equal(stash_pdl.vnew, stash.vnew)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
+        tree_gdn_verify(*d, dpool, dsidx, anc=anc, tuning=on, single_root=single_root)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed, _ = tree_gdn_verify(*d, dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
+        replayed, _ = tree_gdn_verify(*d, dpool, dsidx, anc=anc, tuning=on, single_root=single_root)
     for _ in range(3):
         replayed.zero_()
         graph.replay()
@@ -393,11 +393,11 @@ def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
     # q/k/v written by the kernels just before the verify (as in a model): every replay must see the new values
     src = [t.clone() for t in d[:3]]
     with torch.cuda.stream(s):
-        tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True, single_root=single_root)
+        tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, tuning=on, single_root=single_root)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, pdl=True,
+        fresh, _ = tree_gdn_verify(*[x * 1.0 for x in src], *d[3:], dpool, dsidx, anc=anc, tuning=on,
                                    single_root=single_root)
     for seed in range(3):
         gen2 = torch.Generator(device="cuda").manual_seed(seed)
@@ -405,7 +405,7 @@ def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
             x.copy_(torch.randn(x.shape, generator=gen2, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        want, _ = tree_gdn_verify(*src, *d[3:], dpool, dsidx, anc=anc, pdl=False, single_root=single_root)
+        want, _ = tree_gdn_verify(*src, *d[3:], dpool, dsidx, anc=anc, tuning=off, single_root=single_root)
         assert torch.equal(fresh, want)
     assert torch.equal(dpool.cpu(), pool), "verify wrote the committed state"
 
@@ -414,8 +414,7 @@ def test_benchmark_quick_configs_are_valid_verify_arguments():
     """Every configuration `bench_gdn_tree.py --quick` times passes `tree_gdn_verify`'s checks (run with no
     launch), the default comes first, and PDL is never asked for where it cannot run (a CPU-only torch must not
     raise)."""
-    from benchmarks.bench_gdn_tree import configs_for, default_config
-    from tfm_kernels.launch import pdl_supported
+    from benchmarks.bench_gdn_tree import configs_for, default_config, verify_kwargs
     assert not pdl_supported(torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     for n in (16, 65, 129):
@@ -423,7 +422,8 @@ def test_benchmark_quick_configs_are_valid_verify_arguments():
         q, k, v, g, beta, pool, sidx = make_gdn(1, n, 1, 1, 16, 16, torch.float32, gen)
         cfgs = configs_for(n, quick=True)
         assert cfgs[0] == default_config(n) and len(cfgs) == len({tuple(sorted(c.items())) for c in cfgs})
+        assert verify_kwargs(n, cfgs[0])["tuning"] == GDNTuning.for_shape(n, torch.device("cuda"))
         for cfg in cfgs:
             if not pdl_supported(torch.device("cuda")):
                 assert not cfg["pdl"]
-            tree_gdn_verify(q, k, v, g, beta, parent, num, pool, sidx, stages=(), **cfg)
+            tree_gdn_verify(q, k, v, g, beta, parent, num, pool, sidx, stages=(), **verify_kwargs(n, cfg))

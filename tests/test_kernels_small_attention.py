@@ -1,21 +1,12 @@
 """Small masked attention (Triton, forward + backward) against its float64 reference; CPU runs use the
 Triton interpreter in fp32."""
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tfm_kernels.small_attention import small_attention, small_attention_ref
+from tfm_kernels.small_attention.triton import small_attention_bwd, small_attention_fwd
+from tfm_runtime.models.weaver import chain_mask
 
-from tfm_kernels.small_attention import small_attention, small_attention_ref  # noqa: E402
-from tfm_kernels.small_attention.triton import small_attention_bwd, small_attention_fwd  # noqa: E402
-from tfm_runtime.models.weaver import chain_mask  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
@@ -76,7 +67,7 @@ CASES = [
 ]
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.usefixtures("poison_empty")                # unwritten outputs are NaN and fail
 @pytest.mark.parametrize(("B", "nh", "T", "S", "hd", "kind", "layout"),
                          [pytest.param(*c, id="B{}-nh{}-T{}-S{}-hd{}-{}-{}".format(*c)) for c in CASES])
@@ -87,7 +78,7 @@ def test_matches_float64_ref(B, nh, T, S, hd, kind, layout):
     check_against_ref(qkv, mask[None, None] if layout == "weaver" else mask, TOL[torch.float32])
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_weaver_layout_gradient_reaches_qkv():
     gen = torch.Generator().manual_seed(3)
     (q, k, v), qkv = make_qkv(2, 2, 7, 7, 16, torch.float32, "weaver", gen)
@@ -98,7 +89,7 @@ def test_weaver_layout_gradient_reaches_qkv():
     assert g.shape == qkv.shape and rel_rms(g64, g) <= TOL[torch.float32]
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.usefixtures("poison_empty")
 def test_fully_masked_row_gives_zeros_and_finite_grads():
     gen = torch.Generator().manual_seed(5)
@@ -112,7 +103,7 @@ def test_fully_masked_row_gives_zeros_and_finite_grads():
     assert torch.isneginf(lse[:, :, 2]).all() and torch.isfinite(lse[:, :, [0, 1, 3, 4, 5]]).all()
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_ops_pass_opcheck():
     """Schema, fake (meta) implementations with the real strides, autograd registration, AOT dispatch."""
     gen = torch.Generator().manual_seed(9)
@@ -125,7 +116,7 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(small_attention_bwd, (do, q, k, v, mask, lse, 0.3))
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_compiles_without_graph_break():
     gen = torch.Generator().manual_seed(11)
     (q, k, v), qkv = make_qkv(2, 2, 7, 7, 16, torch.float32, "weaver", gen)
@@ -159,7 +150,7 @@ def test_bad_inputs_raise():
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["plain", "weaver"])
 def test_bf16_weaver_shape_matches_ref(layout):
     gen = torch.Generator().manual_seed(13)
@@ -167,7 +158,7 @@ def test_bf16_weaver_shape_matches_ref(layout):
     check_against_ref(qkv, chain_mask(15, "cuda"), TOL[torch.bfloat16])
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_compiled_step_matches_eager():
     gen = torch.Generator().manual_seed(17)
     (q, k, v), qkv = make_qkv(64, 8, 31, 31, 128, torch.bfloat16, "weaver", gen, device="cuda")
@@ -185,7 +176,7 @@ def test_compiled_step_matches_eager():
     torch.testing.assert_close(got, want)
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_weaver_uses_kernel_on_cuda():
     from tfm_runtime.models.weaver import _small_attention_bmm
     from tfm_runtime.models.weaver import small_attention as weaver_attention

@@ -1,17 +1,8 @@
 """SwiGLU (Triton) against its float64 reference; CPU runs use the Triton interpreter."""
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from tfm_kernels.swiglu import swiglu, swiglu_ref  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
+from tfm_kernels.swiglu import swiglu, swiglu_ref
 
 
 def _check(shape, dtype, device, tol):
@@ -31,28 +22,28 @@ def _check(shape, dtype, device, tol):
     assert rel(y, y64) < tol and rel(dx, dx64) < tol
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", [(7, 3000), (2, 3, 10), (1, 2), (33, 2048)])
 def test_matches_float64(shape):
     """Rows not a multiple of the 4-row tile, F over one 1024 block and not a power of 2, leading dims, F = 1."""
     _check(shape, torch.float32, "cpu", 1e-6)
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_bad_input():
     for bad in (torch.zeros(3, 5), torch.zeros(3, 0), torch.zeros(4, 6, dtype=torch.float64)):
         with pytest.raises(ValueError, match="swiglu expects"):
             swiglu(bad)
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_training_shape(dtype):
     """The Weaver MLP at the Qwen3.6-27B preset (mlp 3072), 64 rows x 31 positions."""
     _check((64, 31, 6144), dtype, "cuda", 1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_gpu_compiles_without_graph_break():
     lin = torch.nn.Linear(64, 2 * 96, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(5, 31, 64, device="cuda", dtype=torch.bfloat16)

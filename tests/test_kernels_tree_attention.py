@@ -1,19 +1,11 @@
 """Tree attention (Triton) against its float64 reference; CPU runs use the Triton interpreter."""
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Must be set before the kernel modules are imported (@triton.jit reads it at decoration).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tfm_kernels.tree_attention import (TreeAttentionTuning, ancestor_bitmask, ancestor_mask, tree_attention,
+                                   tree_attention_ref)
+from tfm_kernels.tree_utils import check_parents, pack_bits, tree_depth, unpack_bits
 
-from tfm_kernels.tree_attention import ancestor_bitmask, ancestor_mask, tree_attention, tree_attention_ref  # noqa: E402
-from tfm_kernels.tree_utils import check_parents, pack_bits, tree_depth, unpack_bits  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run under TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 
@@ -74,14 +66,14 @@ CASES = [
 ]
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("B", "N", "Hq", "Hkv", "D", "L", "dtype", "kind"),
                          [pytest.param(*c, id="B{}-N{}-Hq{}-Hkv{}-D{}-L{}-{}-{}".format(*c)) for c in CASES])
 def test_matches_float64_ref(B, N, Hq, Hkv, D, L, dtype, kind):
     check_against_ref(make_inputs(B, N, Hq, Hkv, D, L, dtype, kind), dtype)
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_padded_nodes_and_requests():
     inp = make_inputs(3, 6, 4, 2, 16, 70, torch.float16, num_nodes=[5, 0, 2], prefix_len=[70, 3, 0])
     o, lse = check_against_ref(inp, torch.float16)
@@ -89,7 +81,7 @@ def test_padded_nodes_and_requests():
     assert torch.isinf(lse[1]).all() and torch.isfinite(lse[0, :5]).all()
 
 
-@cpu_only
+@pytest.mark.interpreter
 @pytest.mark.parametrize("num_splits", [1, 2, 3])
 def test_split_kv_merge_equals_single_pass(num_splits):
     inp = make_inputs(2, 5, 4, 2, 16, 200, torch.float32, prefix_len=[200, 77])
@@ -98,7 +90,17 @@ def test_split_kv_merge_equals_single_pass(num_splits):
     assert rel_rms(o1, o) <= 1e-6
 
 
-@cpu_only
+@pytest.mark.interpreter
+def test_other_tiles_match_float64_ref():
+    """16-row tiles over 5 nodes x 4 q heads (two row tiles), 16 keys per step, 2 splits."""
+    inp = make_inputs(2, 5, 4, 1, 16, 70, torch.float32, prefix_len=[70, 21])
+    check_against_ref(inp, torch.float32, tuning=TreeAttentionTuning(block_m=16, block_n=16, num_warps=2, num_stages=1,
+                                                                     num_splits=2))
+    with pytest.raises(ValueError, match="block_n must be a power of 2"):
+        TreeAttentionTuning(block_m=16, block_n=24, num_warps=4, num_stages=2)
+
+
+@pytest.mark.interpreter
 def test_chain_equals_causal_attention():
     B, N, Hq, Hkv, D, L = 1, 8, 4, 2, 16, 45
     inp = make_inputs(B, N, Hq, Hkv, D, L, torch.float32, kind="chain")
@@ -112,7 +114,7 @@ def test_chain_equals_causal_attention():
     assert rel_rms(ref.transpose(0, 1)[None], o) <= 1e-5
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_single_node_equals_decode():
     B, Hq, Hkv, D, L = 2, 8, 2, 32, 90
     inp = make_inputs(B, 1, Hq, Hkv, D, L, torch.float32)
@@ -125,7 +127,7 @@ def test_single_node_equals_decode():
         assert rel_rms(ref[:, :, 0].transpose(0, 1), o[b]) <= 1e-5
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_mask_encodings_agree():
     inp = make_inputs(2, 9, 4, 2, 16, 20, torch.float32)
     anc_bool = unpack_bits(inp["anc"], 9)
@@ -160,7 +162,7 @@ def test_tree_utils_against_parent_walk():
         check_parents(torch.tensor([[0, 0, 1]]))
 
 
-@cpu_only
+@pytest.mark.interpreter
 def test_bad_shapes_raise():
     inp = make_inputs(1, 4, 4, 2, 16, 8, torch.float32)
     with pytest.raises(ValueError, match="multiple of Hkv"):
@@ -171,7 +173,7 @@ def test_bad_shapes_raise():
         tree_attention(**{**inp, "anc": inp["anc"][:, :3]})
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["random", "chain", "star"])
 @pytest.mark.parametrize(("dtype", "L", "N"), [(torch.bfloat16, 4113, 65), (torch.float32, 1000, 16),
                                                (torch.bfloat16, 0, 129), (torch.bfloat16, 300, 1)])
@@ -180,7 +182,7 @@ def test_gpu_qwen_shapes(kind, dtype, L, N):
     check_against_ref(inp, dtype)
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_gpu_padded_batch_and_splits():
     inp = make_inputs(3, 33, 16, 2, 128, 2000, torch.bfloat16, num_nodes=[33, 0, 7],
                       prefix_len=[2000, 5, 1234], device="cuda")

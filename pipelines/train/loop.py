@@ -168,7 +168,7 @@ class Trainer:
             atomic_write_json(os.path.join(cfg.output_dir, "train_config.json"),
                               {**cfg.to_dict(), "run_hash": cfg.run_hash(), "provenance": provenance()})
         if cfg.compile == "on" or (cfg.compile == "auto" and want_cuda and cfg.model == "weaver"):
-            # fuses the elementwise tail of the step (H200, Qwen3.6-27B preset: 1.46x at 256 rows per step)
+            # fuses the elementwise tail of the step
             self.task.objective.forward = torch.compile(self.task.objective.forward)
             if self.rank == 0:
                 log.info("torch.compile: the objective's forward is compiled (compile: %s)", cfg.compile)

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from tfm_runtime.loading import ModelSpec, load_target
 from tfm_runtime.models.dflash import dflash_candidates
-from tfm_runtime.models.weaver import Weaver, WeaverConfig
+from tfm_runtime.models.weaver import Weaver, WeaverConfig, WeaverScoring
 
 FLOAT_COLUMNS = ("h_final", "dflash_hidden", "cand_logits")
 
@@ -98,12 +98,13 @@ def weaver_loss(logq, cand_ids, true_tokens, loss_mask, topk_ids, topk_logprobs,
 
 class WeaverObjective(nn.Module):
     """The module DeepSpeed trains: forward(batch) -> (loss, valid depths). The frozen embedding and LM head are
-    plain attributes (not parameters, not buffers: never optimized, gathered or checkpointed)."""
+    plain attributes (not parameters, not buffers: never optimized, gathered or checkpointed); `scoring` is how
+    the Weaver scores the candidates (`WeaverScoring`)."""
 
     def __init__(self, weaver: Weaver, embed: torch.Tensor, lm_head: torch.Tensor, *, kind: str,
-                 weights: torch.Tensor):
+                 weights: torch.Tensor, scoring: WeaverScoring = WeaverScoring()):
         super().__init__()
-        self.weaver, self.kind = weaver, kind
+        self.weaver, self.kind, self.scoring = weaver, kind, scoring
         # the depth weights live with the LM head: a host tensor would be copied (and waited for) every step
         object.__setattr__(self, "frozen", (embed, lm_head, weights.to(lm_head.device)))
 
@@ -111,7 +112,7 @@ class WeaverObjective(nn.Module):
         embed, lm_head, _ = self.frozen
         chain = torch.cat([b["root_token"][:, None], b["true_tokens"][:, :-1].clamp_min(0)], dim=1)   # [B, L]
         return self.weaver.forward_chain(b["h_final"], b["dflash_hidden"], chain, b["cand_ids"], b["cand_logits"],
-                                         embed, lm_head)
+                                         embed, lm_head, self.scoring)
 
     def forward(self, b: dict):
         return weaver_loss(self.logq(b), b["cand_ids"], b["true_tokens"], b["loss_mask"], b["target_topk_ids"],
@@ -200,8 +201,8 @@ class WeaverTask:
                              f"shards' contract expects [vocab, hidden] = {list(want)}")
         self.wcfg = weaver_config(cfg, c)
         self.objective = WeaverObjective(initial_weaver(self.wcfg, cfg.seed), embed, head, kind=cfg.loss,
-                                         weights=depth_weights(self.wcfg.lookahead, cfg.depth_gamma))
-        self.objective.weaver.candidate_group_rows = cfg.score_group_rows
+                                         weights=depth_weights(self.wcfg.lookahead, cfg.depth_gamma),
+                                         scoring=WeaverScoring(group_rows=cfg.score_group_rows))
         self.train_index = self.data.train_index
         self.flops_per_item = flops_per_row(self.wcfg)
 

@@ -10,6 +10,8 @@ gathers the same LM-head rows again instead of keeping a [M, Kc, Dm] copy of the
 once (memory bound, no Kc x Dm intermediate), where `weight[cand]` + bmm writes and re-reads a
 [M, Kc, Dm] copy and keeps it alive until the backward.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,57 +33,68 @@ def grad_weight_tile(dlogits, weight, ids, i_m, o_c, o_d, m_d, s_wv, Kc, V):
 @triton.jit
 def candidate_hidden_grad_kernel(
     dlogits, weight, cand, dhidden, s_wv, s_cm, Kc, Dm, V, inv_t,
-    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr = False,
+    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dhidden[m, d-block] = inv_t * sum_c dlogits[m, c] * weight[cand[m, c], d-block].
 
     Grid (M, cdiv(Dm, BLOCK_D)). dlogits: fp32 [M, Kc]; weight: [Vocab, Dm]; cand: int [M, Kc]
-    (pads < 0 or >= Vocab are skipped); dhidden: [M, Dm]. PREFETCH: the next candidate block's rows are
-    loaded before this block's products, and the ids one block further ahead, so no load waits on another.
+    (pads < 0 or >= Vocab are skipped); dhidden: [M, Dm].
     """
     i_m, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < Dm
     acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     o_c = tl.arange(0, BLOCK_C)
-    if PREFETCH:
-        ids = tl.load(cand + i_m * s_cm + o_c, mask=o_c < Kc, other=-1).to(tl.int64)
-        n_g, n_w = grad_weight_tile(dlogits, weight, ids, i_m, o_c, o_d, m_d, s_wv, Kc, V)
-        ids = tl.load(cand + i_m * s_cm + o_c + BLOCK_C, mask=o_c + BLOCK_C < Kc, other=-1).to(tl.int64)
-        for c0 in range(0, Kc, BLOCK_C):
-            b_g, b_w = n_g, n_w
-            o_n = c0 + BLOCK_C + o_c                            # the next block (all masked after the last)
-            n_g, n_w = grad_weight_tile(dlogits, weight, ids, i_m, o_n, o_d, m_d, s_wv, Kc, V)
-            ids = tl.load(cand + i_m * s_cm + o_n + BLOCK_C, mask=o_n + BLOCK_C < Kc, other=-1).to(tl.int64)
-            acc += b_w.to(tl.float32) * b_g[:, None]
-    else:
-        for c0 in range(0, Kc, BLOCK_C):
-            ids = tl.load(cand + i_m * s_cm + c0 + o_c, mask=c0 + o_c < Kc, other=-1).to(tl.int64)
-            b_g, b_w = grad_weight_tile(dlogits, weight, ids, i_m, c0 + o_c, o_d, m_d, s_wv, Kc, V)  # [BC], [BC, BD]
-            acc += b_w.to(tl.float32) * b_g[:, None]
+    for c0 in range(0, Kc, BLOCK_C):
+        ids = tl.load(cand + i_m * s_cm + c0 + o_c, mask=c0 + o_c < Kc, other=-1).to(tl.int64)
+        b_g, b_w = grad_weight_tile(dlogits, weight, ids, i_m, c0 + o_c, o_d, m_d, s_wv, Kc, V)  # [BC], [BC, BD]
+        acc += b_w.to(tl.float32) * b_g[:, None]
     b_dh = tl.sum(acc, 0) * inv_t
     tl.store(dhidden + i_m * Dm + o_d, b_dh.to(dhidden.dtype.element_ty), mask=m_d)
 
 
+@dataclass(frozen=True)
+class HiddenGradTuning:
+    """Launch parameters of `candidate_hidden_grad`; `HiddenGradTuning.for_shape(Kc, Dm)` is the default.
+
+    block_c: candidates per step of the Kc loop; block_d: hidden columns per program (both powers of 2);
+    num_warps, num_stages: launch options.
+    """
+    block_c: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_c", "block_d"):
+            x = getattr(self, name)
+            if x < 1 or x & (x - 1):
+                raise ValueError(f"{name} must be a power of 2, got {x}")
+
+    @classmethod
+    def for_shape(cls, Kc: int, Dm: int) -> "HiddenGradTuning":
+        """The default for Kc candidates per row over hidden size Dm: 8 candidates x 512 columns per step."""
+        return cls(block_c=min(8, max(2, triton.next_power_of_2(Kc))),
+                   block_d=min(512, max(16, triton.next_power_of_2(Dm))), num_warps=4, num_stages=3)
+
+
 def candidate_hidden_grad(dlogits: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor, inv_t: float,
-                          out_dtype: torch.dtype, tuning: dict | None = None) -> torch.Tensor:
+                          out_dtype: torch.dtype, tuning: HiddenGradTuning | None = None) -> torch.Tensor:
     """dlogits fp32 [M, Kc], weight [Vocab, Dm], cand int [M, Kc] -> dhidden [M, Dm] in out_dtype.
-    `tuning` (benchmarks) overrides block_c, block_d, warps, stages, prefetch. Default: 8 candidates x 512 columns
-    per step, no prefetch. H200, 15360 x 512 replayed candidates, hidden 5120
-    (benchmarks/results/grouped_scoring_h200.json): 10.0 ms against 10.5 for 16 x 512 and 12.6 for 32 x 256
-    (session7_hidden_grad_sweeps); with prefetch, 2 x 1024 tiles 9.40 ms alone against 9.89, but no faster inside
-    the training step (session9_hidden_grad_prefetch)."""
+
+    `tuning`: launch parameters. Default: `HiddenGradTuning.for_shape(Kc, Dm)`.
+    """
     M, Kc = dlogits.shape
     Dm = weight.shape[1]
     dhidden = torch.empty(M, Dm, dtype=out_dtype, device=dlogits.device)
     if M == 0:
         return dhidden
-    cfg = {"block_d": min(512, max(16, triton.next_power_of_2(Dm))), "block_c": min(8, max(2, triton.next_power_of_2(Kc))),
-           "warps": 4, "stages": 3, "prefetch": False, **(tuning or {})}
-    candidate_hidden_grad_kernel[(M, triton.cdiv(Dm, cfg["block_d"]))](
+    tuning = HiddenGradTuning.for_shape(Kc, Dm) if tuning is None else tuning
+    if not isinstance(tuning, HiddenGradTuning):
+        raise TypeError(f"tuning must be a HiddenGradTuning, got {type(tuning).__name__}")
+    candidate_hidden_grad_kernel[(M, triton.cdiv(Dm, tuning.block_d))](
         dlogits, weight, cand, dhidden, weight.stride(0), cand.stride(0), Kc, Dm, weight.shape[0], float(inv_t),
-        BLOCK_C=cfg["block_c"], BLOCK_D=cfg["block_d"], PREFETCH=cfg["prefetch"], num_warps=cfg["warps"],
-        num_stages=cfg["stages"])
+        BLOCK_C=tuning.block_c, BLOCK_D=tuning.block_d, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     return dhidden
 
 

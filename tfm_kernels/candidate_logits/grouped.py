@@ -2,7 +2,7 @@
 
 `candidate_log_probs` gathers weight[cand[m, c]] once per (query m, candidate c): M*Kc*Dm elements each way.
 Real candidate sets overlap: a Weaver row's 15 depths, and neighbouring rows, propose many of the same tokens
-(benchmarks/results/candidate_overlap_smollm2.json: 8 rows x 15 depths name 23% distinct tokens). Here the
+(benchmarks/results/README.md). Here the
 queries are cut into groups of G consecutive rows; each group's distinct candidate ids (its union, U of them)
 are read once and scored against all G queries with a tensor-core dot:
 
@@ -13,14 +13,14 @@ are read once and scored against all G queries with a tensor-core dot:
     dhidden[g G + q] = sum_u dS[g, q, u] weight[union[g, u]]                  (`grouped_hidden_grad_kernel`)
 
 Weight traffic per pass: NG*U*Dm instead of M*Kc*Dm; the price is a dense fp32 [G, U] score (and gradient)
-scratch per group, 4*G*U bytes, processed in chunks of groups. H200 timings: benchmarks/bench_grouped_scoring.py
-and the README.
+scratch per group, 4*G*U bytes, processed in chunks of groups. Benchmark: benchmarks/bench_grouped_scoring.py.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from .grad import candidate_hidden_grad
 from .union import group_union
 
 
@@ -60,7 +60,7 @@ def grouped_scores_kernel(hidden, weight, union, count, scores, s_hm, s_wv, M, U
 @triton.jit
 def grouped_hidden_grad_kernel(dscores, weight, union, count, dhidden, s_wv, M, U, Dm, V,
                                G: tl.constexpr, GQ: tl.constexpr, BU: tl.constexpr, BD: tl.constexpr,
-                               DOT_PREC: tl.constexpr, IDS_AHEAD: tl.constexpr, ROUND16: tl.constexpr):
+                               DOT_PREC: tl.constexpr, ROUND16: tl.constexpr):
     """dhidden[g G + q, d-block] = sum_u dscores[g, q, u] weight[union[g, u], d-block].
 
     dscores fp32: an fp32 dot of `DOT_PREC`, or with ROUND16 each tile rounded to the weight's 16-bit dtype for a
@@ -69,8 +69,8 @@ def grouped_hidden_grad_kernel(dscores, weight, union, count, dhidden, s_wv, M, 
     Grid (cdiv(Dm, BD), groups): a group's programs run next to each other and share its dscores
     through L2. dscores [groups, GQ, U], read only below count; count int32 [groups] (union entries in use;
     the loop stops there);
-    dhidden [M, Dm]. IDS_AHEAD: the next block's union ids are read before this block's weight rows, so the
-    rows' addresses do not wait on a load in the same step.
+    dhidden [M, Dm]. The next block's union ids are read before this block's weight rows, so the rows'
+    addresses do not wait on a load in the same step.
     """
     i_d, i_g = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_q = tl.arange(0, GQ)
@@ -79,16 +79,12 @@ def grouped_hidden_grad_kernel(dscores, weight, union, count, dhidden, s_wv, M, 
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < Dm
     acc = tl.zeros([GQ, BD], dtype=tl.float32)
-    if IDS_AHEAD:
-        ids_next = tl.load(union + i_g * U + tl.arange(0, BU), mask=tl.arange(0, BU) < U, other=-1)
+    ids_next = tl.load(union + i_g * U + tl.arange(0, BU), mask=tl.arange(0, BU) < U, other=-1)
     n_u = tl.load(count + i_g)
     for u0 in range(0, n_u, BU):
         o_u = u0 + tl.arange(0, BU)
-        if IDS_AHEAD:
-            ids = ids_next
-            ids_next = tl.load(union + i_g * U + o_u + BU, mask=o_u + BU < U, other=-1)
-        else:
-            ids = tl.load(union + i_g * U + o_u, mask=o_u < U, other=-1)
+        ids = ids_next
+        ids_next = tl.load(union + i_g * U + o_u + BU, mask=o_u + BU < U, other=-1)
         valid = (ids >= 0) & (ids < V)
         b_w = tl.load(weight + tl.where(valid, ids, 0)[:, None] * s_wv + o_d[None, :],
                       mask=valid[:, None] & m_d[None, :], other=0.)                     # [BU, BD]
@@ -164,26 +160,47 @@ def grouped_logits_grad_kernel(gout, s_gm, s_gc, logprobs, pos, dscores, dlogits
                   sem="relaxed")
 
 
-def _config(U: int, Dm: int, group: int, tuning: dict | None = None) -> dict:
-    """Launch parameters: GQ (query rows padded to a power of 2 >= 16), the union and hidden blocks of the
-    forward (fwd_bu, fwd_bd) and of the backward (bwd_bu, bwd_bd), warps and pipeline stages, bwd_ids_ahead
-    (see `grouped_hidden_grad_kernel`) and bwd_gather: the backward through the per-candidate gather kernel
-    (`candidate_hidden_grad`) instead of the union, bwd_gather_tuning: that kernel's own overrides (a dict).
-    Default: the forward in blocks of up to 64 x 64, the union backward in 32 union rows x 512 hidden columns
-    (256 from 128 query rows up), 8 warps from 64 query rows up. The wide hidden blocks matter: each of a group's
-    Dm / bwd_bd programs reads the group's whole score gradient through L2, which ncu found 93% busy with
-    128-column blocks. H200, Qwen3.6-27B head, 1024 rows x 15 x 512 replayed candidates, 4 rows per group,
-    forward + backward (benchmarks/results/grouped_scoring_h200.json, session 11): 14.5 ms with 32 x 512 blocks,
-    15.1 with 64 x 128, 18.2 with the gather backward. `tuning` overrides any of them (benchmarks)."""
-    GQ = max(16, triton.next_power_of_2(group))
-    BU, BD = min(64, max(16, triton.next_power_of_2(U))), min(64, max(16, triton.next_power_of_2(Dm)))
-    cfg = dict(GQ=GQ, fwd_bu=BU, fwd_bd=BD, bwd_bu=min(32, BU),
-               bwd_bd=min(512 if GQ <= 64 else 256, max(16, triton.next_power_of_2(Dm))),
-               warps=8 if GQ >= 64 else 4, stages=3, bwd_ids_ahead=True, bwd_gather=False, bwd_gather_tuning=None)
-    unknown = set(tuning or {}) - (set(cfg) - {"GQ"})
-    if unknown:
-        raise ValueError(f"unknown tuning keys {sorted(unknown)}; expected some of {sorted(set(cfg) - {'GQ'})}")
-    return dict(cfg, **(tuning or {}))
+@dataclass(frozen=True)
+class GroupedTuning:
+    """Launch parameters of `grouped_candidate_log_probs`; `GroupedTuning.for_shape(M, Kc, Dm, group)` is the
+    default.
+
+    fwd_bu, fwd_bd: union rows x hidden columns per step of the forward's score kernel; bwd_bu, bwd_bd: union
+    rows per step x hidden columns per program of the backward's hidden-gradient kernel (all powers of 2 >= 16);
+    num_warps, num_stages: launch options of both.
+    """
+    fwd_bu: int
+    fwd_bd: int
+    bwd_bu: int
+    bwd_bd: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("fwd_bu", "fwd_bd", "bwd_bu", "bwd_bd"):
+            x = getattr(self, name)
+            if x < 16 or x & (x - 1):
+                raise ValueError(f"{name} must be a power of 2 >= 16, got {x}")
+
+    @classmethod
+    def for_shape(cls, M: int, Kc: int, Dm: int, group: int) -> "GroupedTuning":
+        """The default for M query rows of Kc candidates, hidden size Dm, `group` rows per group.
+
+        The forward in blocks of up to 64 x 64; the backward in 32 union rows x 512 hidden columns (256 from 128
+        query rows per group up); 8 warps from 64 query rows per group up. The wide hidden blocks matter: each of
+        a group's Dm / bwd_bd programs reads the group's whole score gradient through L2.
+        """
+        U = min(group, M) * Kc                                              # the union's capacity
+        BU = min(64, max(16, triton.next_power_of_2(U)))
+        GQ = _padded_rows(group)
+        return cls(fwd_bu=BU, fwd_bd=min(64, max(16, triton.next_power_of_2(Dm))), bwd_bu=min(32, BU),
+                   bwd_bd=min(512 if GQ <= 64 else 256, max(16, triton.next_power_of_2(Dm))),
+                   num_warps=8 if GQ >= 64 else 4, num_stages=3)
+
+
+def _padded_rows(group: int) -> int:
+    """GQ: a group's query rows padded to a power of 2 >= 16 (the rows of its score tiles)."""
+    return max(16, triton.next_power_of_2(group))
 
 
 def _dot_prec(precision: str) -> str:
@@ -197,10 +214,9 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, cand, bias, inv_t, group, precision, chunk_bytes, tuning):
         M, Kc = cand.shape
         Dm, V = weight.shape[1], weight.shape[0]
-        cfg = _config(min(group, M) * Kc, Dm, group, tuning)
         union, pos, count = group_union(cand, group, V)
         NG, U = union.shape
-        GQ, BK = cfg["GQ"], max(16, triton.next_power_of_2(Kc))
+        GQ, BK = _padded_rows(group), max(16, triton.next_power_of_2(Kc))
         chunk = max(1, chunk_bytes // (GQ * U * 4))                          # groups per scratch chunk
         inv_t = 1.0 if inv_t is None else inv_t
         logprobs = torch.empty(M, Kc, dtype=torch.float32, device=hidden.device)
@@ -208,32 +224,30 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
             g1 = min(NG, g0 + chunk)
             r0, r1 = g0 * group, min(M, g1 * group)
             S = torch.empty(g1 - g0, GQ, U, dtype=torch.float32, device=hidden.device)
-            grouped_scores_kernel[(triton.cdiv(U, cfg["fwd_bu"]), g1 - g0)](
+            grouped_scores_kernel[(triton.cdiv(U, tuning.fwd_bu), g1 - g0)](
                 hidden[r0:r1], weight, union[g0:g1], count[g0:g1], S, hidden.stride(0), weight.stride(0), r1 - r0,
                 U, Dm, V,
-                G=group, GQ=GQ, BU=cfg["fwd_bu"], BD=cfg["fwd_bd"], DOT_PREC=_dot_prec(precision),
-                num_warps=cfg["warps"], num_stages=cfg["stages"])
+                G=group, GQ=GQ, BU=tuning.fwd_bu, BD=tuning.fwd_bd, DOT_PREC=_dot_prec(precision),
+                num_warps=tuning.num_warps, num_stages=tuning.num_stages)
             grouped_logprobs_kernel[(r1 - r0,)](S, pos, bias, logprobs, r0, Kc, U, inv_t, G=group, GQ=GQ, BK=BK,
                                                 HAS_BIAS=bias is not None, num_warps=4)
-        ctx.save_for_backward(weight, union, count, pos, logprobs, cand)
+        ctx.save_for_backward(weight, union, count, pos, logprobs)
         ctx.inv_t, ctx.hidden_dtype, ctx.group = inv_t, hidden.dtype, group
-        ctx.cfg, ctx.chunk, ctx.precision = cfg, chunk, precision
+        ctx.tuning, ctx.chunk, ctx.precision = tuning, chunk, precision
         return logprobs
 
     @staticmethod
     def backward(ctx, g):
-        weight, union, count, pos, logprobs, cand = ctx.saved_tensors
-        cfg, group, chunk, inv_t = ctx.cfg, ctx.group, ctx.chunk, ctx.inv_t
-        dhidden = dlogits = None
-        if cfg["bwd_gather"] or not ctx.needs_input_grad[0]:
-            if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
+        weight, union, count, pos, logprobs = ctx.saved_tensors
+        tuning, group, chunk, inv_t = ctx.tuning, ctx.group, ctx.chunk, ctx.inv_t
+        dlogits = None
+        if not ctx.needs_input_grad[0]:
+            # the bias gradient alone: the log-softmax's backward, no LM-head rows
+            if ctx.needs_input_grad[3]:
                 g = torch.where(pos >= 0, g.float(), 0.0)
                 dlogits = g - torch.exp(logprobs) * g.sum(-1, keepdim=True)       # exp(-inf) = 0 at pads
-            if ctx.needs_input_grad[0]:
-                dhidden = candidate_hidden_grad(dlogits.contiguous(), weight, cand, inv_t, ctx.hidden_dtype,
-                                                cfg["bwd_gather_tuning"])
-            return dhidden, None, None, dlogits if ctx.needs_input_grad[3] else None, None, None, None, None, None
-        GQ = cfg["GQ"]
+            return None, None, None, dlogits, None, None, None, None, None
+        GQ = _padded_rows(group)
         M, Kc = pos.shape
         Dm, V = weight.shape[1], weight.shape[0]
         NG, U = union.shape
@@ -249,11 +263,10 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
             grouped_logits_grad_kernel[(r1 - r0,)](
                 g, g.stride(0), g.stride(1), logprobs, pos, dS, dlogits, r0, Kc, U, inv_t, G=group, GQ=GQ, BK=BK,
                 STORE_DL=dlogits is not None, num_warps=4)
-            grouped_hidden_grad_kernel[(triton.cdiv(Dm, cfg["bwd_bd"]), g1 - g0)](
+            grouped_hidden_grad_kernel[(triton.cdiv(Dm, tuning.bwd_bd), g1 - g0)](
                 dS, weight, union[g0:g1], count[g0:g1], dhidden[r0:r1], weight.stride(0), r1 - r0, U, Dm, V,
-                G=group, GQ=GQ, BU=cfg["bwd_bu"], BD=cfg["bwd_bd"], DOT_PREC=_dot_prec(ctx.precision),
-                IDS_AHEAD=cfg["bwd_ids_ahead"], ROUND16=ctx.precision == "bf16", num_warps=cfg["warps"],
-                num_stages=cfg["stages"])
+                G=group, GQ=GQ, BU=tuning.bwd_bu, BD=tuning.bwd_bd, DOT_PREC=_dot_prec(ctx.precision),
+                ROUND16=ctx.precision == "bf16", num_warps=tuning.num_warps, num_stages=tuning.num_stages)
         return dhidden, None, None, dlogits, None, None, None, None, None
 
 
@@ -262,7 +275,7 @@ class _GroupedCandidateLogProbs(torch.autograd.Function):
 def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor, group: int,
                                 bias: torch.Tensor | None = None, inv_temperature: float | None = None,
                                 precision: str | None = None, chunk_bytes: int = 1 << 29,
-                                tuning: dict | None = None) -> torch.Tensor:
+                                tuning: GroupedTuning | None = None) -> torch.Tensor:
     r"""`candidate_log_probs` with each group's distinct LM-head rows read once (gradients for hidden, bias).
 
     Args:
@@ -278,7 +291,7 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
             Default: "ieee" for fp32 hidden (as exact as the gather kernels), "bf16" for 16-bit hidden
             with a bf16 weight, else "tf32". The forward's 16-bit products are exact in every mode.
         chunk_bytes: bound on the fp32 score scratch (groups are processed in chunks).
-        tuning: launch-parameter overrides (see `_config`; benchmarks).
+        tuning: launch parameters. Default: `GroupedTuning.for_shape(M, Kc, Dm, group)`.
     Returns:
         logprobs: fp32 [M, Kc].
     """
@@ -300,5 +313,8 @@ def grouped_candidate_log_probs(hidden: torch.Tensor, weight: torch.Tensor, cand
             weight.dtype != torch.bfloat16 or hidden.dtype == torch.float32)):
         raise ValueError(f"precision must be 'ieee', 'tf32' or 'bf16' (bf16 needs a bf16 weight and 16-bit "
                          f"hidden), got {precision!r} with {hidden.dtype} hidden and a {weight.dtype} weight")
+    tuning = GroupedTuning.for_shape(cand.shape[0], cand.shape[1], hidden.shape[1], group) if tuning is None else tuning
+    if not isinstance(tuning, GroupedTuning):
+        raise TypeError(f"tuning must be a GroupedTuning, got {type(tuning).__name__}")
     return _GroupedCandidateLogProbs.apply(hidden, weight, cand, bias, inv_temperature, group, precision,
                                            chunk_bytes, tuning)

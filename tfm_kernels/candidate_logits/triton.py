@@ -6,6 +6,7 @@ one block it also does the log-softmax; otherwise a small per-row kernel does it
 Memory bound: it reads M*Kc*Dm + M*Dm input elements and writes 2*M*Kc floats.
 """
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,10 +29,15 @@ def candidate_logits_fwd_kernel(
     hidden, weight, cand, bias, inv_t, logits, logprobs, lse,
     s_hm, s_wv, s_cm, s_bm, Kc, Dm, V, inv_t_scalar,
     HAS_BIAS: tl.constexpr, INV_T_PER_ROW: tl.constexpr, FUSED: tl.constexpr, STORE_LSE: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """PREFETCH: the next hidden block's loads are issued before this block's products (two tiles in
-    registers), so a program keeps twice the bytes in flight (its loads are not staged through shared memory)."""
+    """logits[m, k-block] of the candidates cand[m, k-block]; with FUSED (one block holds the row) also the
+    log-softmax. PREFETCH: the next hidden block's loads are issued before this block's products (two tiles in
+    registers), so a program keeps twice the bytes in flight (its loads are not staged through shared memory).
+
+    hidden [M, Dm]; weight [V, Dm]; cand int [M, Kc]; bias fp32 [M, Kc] if HAS_BIAS; inv_t fp32 [M] if
+    INV_T_PER_ROW (else the scalar inv_t_scalar); logits, logprobs fp32 [M, Kc]; lse fp32 [M] if STORE_LSE.
+    """
     i_m, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_k = o_k < Kc
@@ -107,28 +113,51 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def pick_config(M, Kc, Dm, device):
-    """From 16 up to 256 query rows: 4 candidates x 1024 columns with the next block's loads issued ahead
-    (PREFETCH); below 16 rows 4 x 2048 without; above 256 the largest BLOCK_K of 32/16/8 that still gives ~4
-    programs per SM (else 4) and tiles of 8K elements. H200 sweeps at Kc=512, hidden 5120
-    (benchmarks/results/candidate_logits_h200.json, session 9): 4 x 1024 with prefetch 82.9 us at M=64 (1.18x of
-    the 4.8 TB/s floor) and 312.7 at 256 (1.12x) against 86.9 and 323.6 for 4 x 2048 without, which stays faster
-    at M=1 (6.8 vs 7.8 us; launch latency bound there). Above 256 rows (training shapes) it is untimed."""
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-    if 16 <= M <= 256:
-        block_k, block_d = max(2, min(4, triton.next_power_of_2(Kc))), min(1024, max(16, triton.next_power_of_2(Dm)))
-        return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4, num_stages=3, PREFETCH=True)
-    block_k = 4
-    for bk in (32, 16, 8):
-        if M > 256 and M * triton.cdiv(Kc, bk) >= 4 * sms:
-            block_k = bk
-            break
-    block_k = max(2, min(block_k, triton.next_power_of_2(Kc)))
-    block_d = min(8192 // block_k, max(16, triton.next_power_of_2(Dm)))
-    return dict(BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4, num_stages=3)
+@dataclass(frozen=True)
+class CandidateTuning:
+    """Launch parameters of `candidate_logits`; `CandidateTuning.for_shape(M, Kc, Dm, device)` is the default.
+
+    block_k: candidates per program (grid (M, cdiv(Kc, block_k))); block_d: hidden columns per step of the
+    Dm loop (both powers of 2); num_warps, num_stages: launch options; prefetch: each program issues the next
+    hidden block's loads before this block's products (two tiles in registers, twice the bytes in flight).
+    """
+    block_k: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    prefetch: bool
+
+    def __post_init__(self):
+        for name in ("block_k", "block_d"):
+            x = getattr(self, name)
+            if x < 1 or x & (x - 1):
+                raise ValueError(f"{name} must be a power of 2, got {x}")
+
+    @classmethod
+    def for_shape(cls, M: int, Kc: int, Dm: int, device: torch.device) -> "CandidateTuning":
+        """The default for M query rows of Kc candidates over hidden size Dm.
+
+        From 16 to 256 rows (verify shapes, memory bound): 4 candidates x 1024 columns with the next block's
+        loads issued ahead. Below 16 rows (launch-latency bound): 4 x 2048 without. Above 256 rows (training
+        shapes): the largest block_k of 32 / 16 / 8 that still gives ~4 programs per SM (else 4), tiles of 8K
+        elements, without.
+        """
+        if 16 <= M <= 256:
+            return cls(block_k=max(2, min(4, triton.next_power_of_2(Kc))),
+                       block_d=min(1024, max(16, triton.next_power_of_2(Dm))),
+                       num_warps=4, num_stages=3, prefetch=True)
+        sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+        block_k = 4
+        for bk in (32, 16, 8):
+            if M > 256 and M * triton.cdiv(Kc, bk) >= 4 * sms:
+                block_k = bk
+                break
+        block_k = max(2, min(block_k, triton.next_power_of_2(Kc)))
+        return cls(block_k=block_k, block_d=min(8192 // block_k, max(16, triton.next_power_of_2(Dm))),
+                   num_warps=4, num_stages=3, prefetch=False)
 
 
-def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse, cfg):
+def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse, tuning: CandidateTuning):
     M, Dm = hidden.shape
     Kc, V, dev = cand.shape[1], weight.shape[0], hidden.device
     logits = torch.empty(M, Kc, dtype=torch.float32, device=dev)
@@ -137,14 +166,14 @@ def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse
     if M == 0:
         return (logits, logprobs, lse) if return_lse else (logits, logprobs)
     per_row = isinstance(inv_temperature, torch.Tensor)
-    n_kb = triton.cdiv(Kc, cfg["BLOCK_K"])
+    n_kb = triton.cdiv(Kc, tuning.block_k)
     candidate_logits_fwd_kernel[(M, n_kb)](
         hidden, weight, cand, bias, inv_temperature if per_row else None, logits, logprobs, lse,
         hidden.stride(0), weight.stride(0), cand.stride(0), bias.stride(0) if bias is not None else 0,
         Kc, Dm, V, 1.0 if per_row or inv_temperature is None else float(inv_temperature),
         HAS_BIAS=bias is not None, INV_T_PER_ROW=per_row, FUSED=n_kb == 1, STORE_LSE=return_lse,
-        BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], PREFETCH=cfg.get("PREFETCH", False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_K=tuning.block_k, BLOCK_D=tuning.block_d, PREFETCH=tuning.prefetch,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if n_kb > 1:
         candidate_log_softmax_kernel[(M,)](
@@ -161,6 +190,7 @@ def candidate_logits(
     inv_temperature: float | torch.Tensor | None = None,
     return_lse: bool = False,
     bias: torch.Tensor | None = None,
+    tuning: CandidateTuning | None = None,
 ):
     r"""LM-head logits of a few candidate tokens per row, and their log-softmax over those candidates.
 
@@ -179,6 +209,7 @@ def candidate_logits(
         return_lse: also return the per-row log-sum-exp.
         bias: fp32 [M, Kc] or None, added to the scaled logits before the log-softmax (Weaver:
             DFlash logits + the target-head residual).
+        tuning: launch parameters. Default: `CandidateTuning.for_shape(M, Kc, Dm, hidden.device)`.
     Returns:
         logits: fp32 [M, Kc] (-inf at pads); logprobs: fp32 [M, Kc] (-inf at pads; an all-pad row
         is all -inf); lse: fp32 [M] (-inf for an all-pad row), only if `return_lse`.
@@ -209,5 +240,7 @@ def candidate_logits(
     if bias is not None:
         bias = bias.to(torch.float32)
         bias = bias if bias.stride(-1) == 1 else bias.contiguous()
-    cfg = pick_config(M, cand.shape[1], Dm, hidden.device)
-    return candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse, cfg)
+    tuning = CandidateTuning.for_shape(M, cand.shape[1], Dm, hidden.device) if tuning is None else tuning
+    if not isinstance(tuning, CandidateTuning):
+        raise TypeError(f"tuning must be a CandidateTuning, got {type(tuning).__name__}")
+    return candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse, tuning)

@@ -63,7 +63,7 @@ def tree_gdn_commit_kernel(
 
 
 def tree_gdn_commit(state_pool, state_idx, leaf, stash: GDNTreeStash, out_idx=None,
-                    precision="tf32", block_c=None, block_v=None, num_warps=4):
+                    precision="tf32"):
     r"""Write the state after the accepted path root..leaf[b] into `state_pool[out_idx[b]]`.
 
     Args:
@@ -88,12 +88,13 @@ def tree_gdn_commit(state_pool, state_idx, leaf, stash: GDNTreeStash, out_idx=No
     if not state_pool.is_contiguous():
         raise ValueError("state_pool must be contiguous (it is indexed by slot, head and layout)")
     out_idx = state_idx if out_idx is None else out_idx
-    BC = block_c or min(64, max(16, triton.next_power_of_2(N)))
-    BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
+    # path nodes per dot and V columns per program
+    BC = min(64, max(16, triton.next_power_of_2(N)))
+    BV = min(32, max(16, triton.next_power_of_2(V)))
     grid = (triton.cdiv(V, BV), B * HV)
     tree_gdn_commit_kernel[grid](
         k, vnew, G, anc, leaf.contiguous(), state_pool, state_idx.contiguous(),
         out_idx.contiguous(), N=N, H=H, HV=HV, K=K, V=V, NW=anc.shape[-1], BC=BC,
         BK=max(16, triton.next_power_of_2(K)), BV=BV, USE_L2NORM=l2, STATE_V_FIRST=v_first,
-        DOT_PREC=precision, num_warps=num_warps)
+        DOT_PREC=precision, num_warps=4)
     return state_pool

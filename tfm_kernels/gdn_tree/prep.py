@@ -197,7 +197,7 @@ def off_diagonal_tile(q, k, g, beta, anc, n, G, RN, AP, scale, i_t, i_c, i_b, i_
         b_q = load_rows(q, rows, m_N, i_b, i_h, N, H, K, BK)
         b_G, b_rk, b_rq, b_beta = stashed_row_terms(G, RN, beta, rows, m_N, i_b, i_hv, i_bh, N, HV)
         b_Gc, b_rkc, _, _ = stashed_row_terms(G, RN, beta, o_c, m_c, i_b, i_hv, i_bh, N, HV)
-        # (read last: ptxas then needs 80 registers, not 126)
+        # (read last: the program then needs fewer registers)
         b_kc = load_rows(k, o_c, m_c, i_b, i_h, N, H, K, BK)
     else:
         b_q, b_k, b_G, b_rk, b_rq, b_beta = row_terms(

@@ -13,6 +13,7 @@ The first term is one dot of the stacked [k_t ; q_t] rows with S0 (off the seria
 block's rows are read while the current one waits); the second takes all earlier blocks at once
 ([2BT, NPAD] @ [NPAD, BV]), re-reading V'_<t from the `vnew` stash this program wrote.
 """
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -92,8 +93,8 @@ def fold_root(q, k, v, g, beta, vnew, o, b_s, n, scale, i_b, i_h, i_hv, N, H, HV
 def tree_gdn_solve_kernel(
     q, k, v, g, beta, state, state_idx, num_nodes, G, RN, AP, W, vnew, o, scale, N, H, HV, K, V, NB,
     NPAD, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    ROOT: tl.constexpr, USE_L2NORM: tl.constexpr, W_EARLY: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr, ROOT: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
 ):
     """ROOT = 1: node 0 is every node's ancestor; it is folded into the state tile first
     (`fold_root`) and the blocks cover nodes 1 .. N-1 (block t: nodes 1 + t BT ..)."""
@@ -122,12 +123,12 @@ def tree_gdn_solve_kernel(
     # same node of the O (q) half
     o_r = tl.arange(0, 2 * BT)
     m_top = o_r < BT
-    # the next block's own tiles are read while this block waits on V' (PREFETCH), so each serial
-    # step waits on one round trip, for the V' it re-reads. With programmatic dependent launch (PDL)
-    # this program may start while the prep still runs: S0 and the first block's input rows are
-    # read before gdc_wait, which then waits for the prep's outputs. Reading inputs early is safe
-    # because the prep signals dependents only after its own gdc_wait, i.e. once every kernel that
-    # wrote them has finished.
+    # the next block's own tiles are read while this block waits on V', so each serial step waits on
+    # one round trip, for the V' it re-reads. With programmatic dependent launch (PDL) this program
+    # may start while the prep still runs: S0 and the first block's input rows are read before
+    # gdc_wait, which then waits for the prep's outputs. Reading inputs early is safe because the
+    # prep signals dependents only after its own gdc_wait, i.e. once every kernel that wrote them
+    # has finished.
     b_x, b_beta, b_v = load_rows(q, k, v, beta, ROOT + o_r % BT, n, i_b, i_h, i_hv, N, H, HV, K,
                                  V, o_k, o_v, m_v, BT)
     if PDL:
@@ -135,22 +136,17 @@ def tree_gdn_solve_kernel(
     b_eG, b_rn = load_scales(G, RN, ROOT + o_r % BT, n, g0, i_b, i_hv, i_bh, N, HV, BT)
     for i_t in range(0, tl.cdiv(n_loc, BT)):
         rows = ROOT + i_t * BT + o_r % BT
-        if not PREFETCH:
-            b_x, b_beta, b_v = load_rows(q, k, v, beta, rows, n, i_b, i_h, i_hv, N, H, HV, K, V,
-                                         o_k, o_v, m_v, BT)
-            b_eG, b_rn = load_scales(G, RN, rows, n, g0, i_b, i_hv, i_bh, N, HV, BT)
         b_c = tl.where(m_top, -b_beta, 1.) * b_eG * b_rn
         # [2BT, BV] = [beta (v - e^G rk k S0) ; e^G rq q S0]
         b_y = b_beta[:, None] * b_v + b_c[:, None] * state_dot(b_x, b_sh, b_sl, DOT_PREC)
-        if PREFETCH:
-            b_x, b_beta, b_v = load_rows(q, k, v, beta, rows + BT, n, i_b, i_h, i_hv, N, H, HV, K,
-                                         V, o_k, o_v, m_v, BT)
-            b_eG, b_rn = load_scales(G, RN, rows + BT, n, g0, i_b, i_hv, i_bh, N, HV, BT)
+        # the next block's rows (all masked past the last block)
+        b_x, b_beta, b_v = load_rows(q, k, v, beta, rows + BT, n, i_b, i_h, i_hv, N, H, HV, K,
+                                     V, o_k, o_v, m_v, BT)
+        b_eG, b_rn = load_scales(G, RN, rows + BT, n, g0, i_b, i_hv, i_bh, N, HV, BT)
         p_blk = (i_bh * NB + i_t) * 2 * BT
-        if W_EARLY:
-            # [2BT, 2BT] W_t read with the AP tiles and the earlier V' (one round trip per block):
-            # read after the loop below, its load waits for the loop's dots
-            b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
+        # [2BT, 2BT] W_t, read here with the AP tiles and the earlier V' (one round trip per block):
+        # read after the loop below, its loads would wait for the loop's dots
+        b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
         # all earlier nodes at once (KC columns per dot; one dot for trees of up to 129 nodes)
         for i_c in range(0, tl.cdiv(i_t * BT, KC)):
             o_c = i_c * KC + tl.arange(0, KC)
@@ -162,8 +158,6 @@ def tree_gdn_solve_kernel(
                           mask=m_c[:, None] & m_v[None, :], other=0.)
             b_y -= tl.dot(b_ap, b_u, input_precision=DOT_PREC)
         # [2BT, 2BT] @ [2BT, BV] -> [V'_t ; O_t]
-        if not W_EARLY:
-            b_w = tl.load(W + (p_blk + o_r[:, None]) * 2 * BT + o_r[None, :])
         b_z = tl.dot(b_w, b_y, input_precision=DOT_PREC)
         p_out = ((i_b * N + rows[:, None]) * HV + i_hv) * V + o_v[None, :]
         m_st = (rows < N)[:, None] & m_v[None, :]
@@ -182,34 +176,67 @@ def tree_gdn_solve_kernel(
         tl.store(o + p_out, b_z.to(o.dtype.element_ty), mask=m_st)
 
 
-def _config(N):
-    """Default tuning for trees of up to N nodes (keyword arguments of `tree_gdn_verify`).
+@dataclass(frozen=True)
+class GDNTuning:
+    """Launch parameters of `tree_gdn_verify`; `GDNTuning.for_shape(N, device)` is the default.
 
-    Measured on an H200 (benchmarks/results/gdn_tree_h200.json; B=1, HV=48, K=V=128): 16-node blocks,
-    16-wide V tiles, 4 warps, prefetch and 32-column prep tiles were best or within 1% for n = 16..129
-    (block 32 was 0-10% slower, 64 2-3x slower). 64-column solve dots: equal up to 80 nodes (where
-    the padded columns are at most 64 anyway), 9% faster at 96 (34.4 vs 38.0 us), 8% at 112 and 129.
-    The split prep: 15% slower at 65, 3% at 96, faster from 112 (40.3 vs 42.2 us) to 129 (49.3 vs
-    58.9, with 64-column dots), where the one-launch prep's 165-register programs take 3.5 waves.
-    Warps (session 8): a 2-warp solve is faster from 64 nodes (n=64 20.9 vs 22.3 us, 65 22.6 vs 23.5,
-    129 44.1 vs 46.0; at HV=48 the 4-warp programs stall on each other: alone, 24.6 vs 28.6 us at 129),
-    slower at 16 and 32 (11.4 vs 10.7, 15.1 vs 14.4); 2-warp tiles of the split prep: 129 42.0 vs 44.1,
-    2-warp prep programs in one launch: 16 9.95 vs 10.1, 32 12.8 vs 13.5, 64 20.0 vs 20.6, 65 equal.
-    Diagonal inverses substituted over 8-node blocks and merged by dots (inv_base=8): 129 40.6 vs 41.1,
-    65 21.4 vs 22.1, 64 19.6 vs 20.6, 32 13.0 vs 13.5, 16 equal; over 4-node blocks in between.
-    PDL (pdl: whether it is wanted where the device supports it): off with the split prep, n > 96. At
-    n=129 with these defaults a plain launch was faster in 7 of 8 timed pairs over four H200s (sessions
-    8-9; by 0.2-0.8 us, once 0.1 us slower), on everywhere else (n=64/65: 1.0-2.1 us faster with it).
-    W_t read at the top of each solve block (w_early, session 10; before, the SASS issued its loads
-    after the dots over earlier blocks, a second round trip per block): n=129 37.9 vs 39.5 us (EAGLE
-    38.3 vs 40.0), n=65 20.8 vs 22.1. 4-warp programs of the one-launch prep from 49 to 96 nodes: faster
-    at 64/65 in four runs over three H200s (sessions 8-10; 65: 21.07 vs 21.82, 21.11 vs 21.80, 21.05 vs
-    22.07, 20.56 vs 21.52 us; 64: 18.92 vs 19.78, 18.89 vs 19.61), slower at 16 and 32 (10.0 vs 8.9,
-    12.9 vs 12.5) and for the split prep's tiles at 129 (39.3 vs 38.4).
+    block_t: nodes per block of the prep and of the serial solve (16, 32 or 64).
+    block_v: V columns per solve program.
+    num_warps: warps per solve program.
+    block_c: columns per off-diagonal tile program of the prep (a power of 2 >= 16).
+    solve_kc: columns of earlier nodes per dot in the solve (a power of 2 >= 16). Wider dots need
+        more registers per program, so fewer programs fit on an SM.
+    prep_warps: warps per prep program (per tile program with `prep_split`).
+    diag_warps: warps per diagonal program with `prep_split`.
+    inv_base: the diagonal blocks' inverses (I + A_tt)^{-1} by forward substitution over blocks of
+        this many nodes (4, 8 or 16), merged up to block_t by doublings of dots (in tf32x3 where
+        the verify's precision is tf32): 16 is 15 serial steps for 16-node blocks, 8 is 7 steps and
+        two dots, 4 is 3 steps and four dots.
+    prep_split: the prep as two launches, the diagonal programs (which store G and the inverse
+        norms) and then the off-diagonal tiles, which read them back instead of re-deriving them
+        from the ancestor words and q/k: fewer registers per tile program, so more programs per
+        SM, for one more launch.
+    pdl: launch both kernels with programmatic dependent launch, so that the solve starts (reads S0
+        and its first rows) while the prep runs. Needs a CUDA device of compute capability >= 9
+        and a Triton that supports it (`tfm_kernels.launch.pdl_supported`).
     """
-    return dict(block_t=16, block_v=16, num_warps=2 if N > 48 else 4, block_c=32, prefetch=True,
-                prep_maxnreg=0, prep_split=N > 96, solve_kc=64, prep_warps=4 if 48 < N <= 96 else 2,
-                diag_warps=4, inv_base=8, pdl=N <= 96, w_early=True)
+    block_t: int
+    block_v: int
+    num_warps: int
+    block_c: int
+    solve_kc: int
+    prep_warps: int
+    diag_warps: int
+    inv_base: int
+    prep_split: bool
+    pdl: bool
+
+    def __post_init__(self):
+        if self.block_t not in (16, 32, 64):
+            raise ValueError(f"block_t must be 16, 32 or 64, got {self.block_t}")
+        if self.inv_base not in (4, 8, 16):
+            raise ValueError(f"inv_base must be 4, 8 or 16, got {self.inv_base}")
+        for name in ("block_v", "block_c", "solve_kc"):
+            x = getattr(self, name)
+            if x < 16 or x & (x - 1):
+                raise ValueError(f"{name} must be a power of 2 >= 16, got {x}")
+
+    @classmethod
+    def for_shape(cls, N: int, device: torch.device | None = None) -> "GDNTuning":
+        """The default for trees of up to N nodes, chosen at the Qwen3.6-27B shape (B=1, HV=48,
+        K=V=128) and valid for any. PDL only on a `device` that supports it (None: no PDL).
+        """
+        return cls(
+            block_t=16, block_v=16, block_c=32, solve_kc=64, diag_warps=4, inv_base=8,
+            # from 49 nodes the solve's programs stall on each other at 4 warps
+            num_warps=2 if N > 48 else 4,
+            prep_warps=4 if 48 < N <= 96 else 2,
+            # above 96 nodes the one-launch prep's programs run in several waves; the split prep's
+            # tile programs need fewer registers, so more of them fit on an SM
+            prep_split=N > 96,
+            # with the split prep a plain launch is faster
+            pdl=N <= 96 and device is not None and pdl_supported(device),
+        )
 
 
 def root_folded(single_root, N: int, BT: int) -> int:
@@ -219,10 +246,8 @@ def root_folded(single_root, N: int, BT: int) -> int:
 
 
 def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, scale=None,
-                    use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32",
-                    check=True, block_t=None, block_v=None, num_warps=None, num_stages=None, block_c=None,
-                    prefetch=None, solve_kc=None, prep_warps=None, diag_warps=None, inv_base=None, prep_maxnreg=None,
-                    prep_split=None, pdl=None, w_early=None, single_root=None, stages=("prep", "solve")):
+                    use_qk_l2norm=True, state_v_first=False, anc=None, precision="tf32", check=True,
+                    single_root=None, tuning: GDNTuning | None = None, stages=("prep", "solve")):
     r"""Gated DeltaNet over a tree of draft tokens; `state_pool` is only read.
 
     Node i sees the committed state of its request followed by the nodes on its path root..i:
@@ -242,42 +267,16 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
             by all layers; built here from `parent` when None.
         precision: `tl.dot` input precision on GPU, "tf32" | "tf32x3" | "ieee".
         check: validate `parent` on the host when building `anc` (syncs). Default: True.
-        block_t, block_v, num_warps: tuning overrides of the solve kernel (block_t in 16, 32, 64).
-        block_c: tuning override of the prep kernel's column chunk (a power of 2 >= 16).
-        solve_kc: columns of earlier nodes per dot in the solve (a power of 2 >= 16; default 64).
-            ptxas -v: the solve takes 161 registers at 64 columns (3 programs per SM) and 230 at
-            128 (n > 80 with 16-node blocks; 2 per SM).
-        prefetch: the solve reads the next block's q/k/v rows while the current block waits on
-            its earlier V' (tuning).
-        prep_warps, diag_warps, prep_maxnreg: tuning of the prep launch (warps, with `prep_split` the
-            diagonal launch's own; register cap, 0 for none,
-            which trades a few spills for more programs per SM).
-        inv_base: the diagonal blocks' inverses (I + A_tt)^{-1} by forward substitution over
-            blocks of this many nodes, merged up to block_t by doublings of dots (in tf32x3 where
-            `precision` is tf32): 16 (15 serial steps for 16-node blocks), 8 (default: 7 steps and
-            two dots), 4 (3 steps and four dots).
-        prep_split: run the prep as two launches, the diagonal programs (which store G and the
-            inverse norms) and then the off-diagonal tiles, which read them back instead of
-            re-deriving them from the ancestor words and q/k (fewer registers, shorter programs,
-            one more launch). Default: on for N > 96.
-        pdl: launch the solve with programmatic dependent launch, so that it starts (reads S0
-            and its first rows) while the prep runs. Default: up to 96 nodes on CUDA devices of
-            compute capability >= 9 (Hopper) with a Triton that supports it; off with the split
-            prep (N > 96: measured slower there), elsewhere and under TRITON_INTERPRET.
-        w_early: the solve reads each block's W_t at the block's top, with its AP tiles and the
-            earlier V', instead of after the dots over earlier blocks (one memory round trip per
-            serial block instead of two). Default: True.
         single_root: node 0 is an ancestor of every real node of every request (a tree rooted at
             node 0, as a decoder's verify trees are). Then when N = 1 (mod block_t), the solve
             folds node 0 into the state first (a rank-1 update of each state tile) and the
             blocks cover nodes 1 .. N-1: one serial block fewer (n = 65, 129: 4 and 8 blocks
             instead of 5 and 9). None (default): read off `parent` where `check` validates it
             on the host anyway, else False. True is validated when `check` is on.
+        tuning: launch parameters. Default: `GDNTuning.for_shape(N, v.device)`.
         stages: which launches run (benchmarks time the prep and the solve apart; a subset
             leaves the outputs undefined): "prep" (both prep launches), "solve", and with
-            `prep_split` "diag" or "tiles" for one of the two prep launches.
-        num_stages: ignored (kept for compatibility): the solve loop re-reads its own stores, so it
-            must not be software-pipelined.
+            `tuning.prep_split` "diag" or "tiles" for one of the two prep launches.
     Returns:
         o: [B, N, HV, V] in v.dtype.
         stash: `GDNTreeStash` for `tree_gdn_commit`.
@@ -313,28 +312,14 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
         raise ValueError(f"expected anc [B, N, ceil(N/32)] = {(B, N, triton.cdiv(N, 32))}, "
                          f"got {tuple(anc.shape)}")
     scale = K ** -0.5 if scale is None else scale
-    dflt = _config(N)
-    BT, BV = block_t or dflt["block_t"], block_v or dflt["block_v"]
-    nw, BC = num_warps or dflt["num_warps"], block_c or dflt["block_c"]
-    prefetch = dflt["prefetch"] if prefetch is None else prefetch
-    w_early = dflt["w_early"] if w_early is None else bool(w_early)
-    prep_split = dflt["prep_split"] if prep_split is None else prep_split
-    solve_kc = dflt["solve_kc"] if solve_kc is None else solve_kc
-    pdl = (dflt["pdl"] and pdl_supported(v.device)) if pdl is None else bool(pdl)
-    if pdl and not pdl_supported(v.device):
+    tuning = GDNTuning.for_shape(N, v.device) if tuning is None else tuning
+    if not isinstance(tuning, GDNTuning):
+        raise TypeError(f"tuning must be a GDNTuning, got {type(tuning).__name__}")
+    if tuning.pdl and not pdl_supported(v.device):
         raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9 and a Triton with "
                          f"gdc_wait/launch_pdl (not under TRITON_INTERPRET), got {v.device} and Triton "
                          f"{triton.__version__}")
-    prep_maxnreg = dflt["prep_maxnreg"] if prep_maxnreg is None else prep_maxnreg
-    inv_base = inv_base or dflt["inv_base"]
-    prep_warps, diag_warps = prep_warps or dflt["prep_warps"], diag_warps or dflt["diag_warps"]
-    if inv_base not in (4, 8, 16):
-        raise ValueError(f"inv_base must be 4, 8 or 16, got {inv_base}")
-    if BT not in (16, 32, 64):
-        raise ValueError(f"block_t must be 16, 32 or 64, got {BT}")
-    for name, x in (("block_c", BC), ("solve_kc", solve_kc)):
-        if x < 16 or x & (x - 1):
-            raise ValueError(f"{name} must be a power of 2 >= 16, got {x}")
+    BT, pdl = tuning.block_t, tuning.pdl
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     anc, num_nodes, state_idx = anc.contiguous(), num_nodes.contiguous(), state_idx.contiguous()
     dev, f32 = v.device, torch.float32
@@ -349,15 +334,15 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
     RN = torch.empty(B * HV, 2, N, dtype=f32, device=dev)
     AP = torch.empty(B * HV, NB, 2 * BT, NPAD, dtype=f32, device=dev)
     W = torch.empty(B * HV, NB, 2 * BT, 2 * BT, dtype=f32, device=dev)
-    BC = min(NPAD, BC)
+    BC = min(NPAD, tuning.block_c)
     # off-diagonal tiles: block t has cdiv(t BT, BC) of BC columns
     NT = sum(triton.cdiv(t * BT, BC) for t in range(1, NB))
     launch = {"launch_pdl": True} if pdl else {}
     if {"prep", "diag", "tiles"} & set(stages):
-        extra = dict({"maxnreg": prep_maxnreg} if prep_maxnreg else {}, **launch)
+        inv_base = tuning.inv_base
         # one launch of NB diagonal + NT tile programs, or (prep_split) the diagonal programs,
         # then the tiles reading the G and norms they stored
-        parts = [(1, NB), (2, NT)] if prep_split else [(0, NB + NT)]
+        parts = [(1, NB), (2, NT)] if tuning.prep_split else [(0, NB + NT)]
         for part, programs in parts:
             if programs and ("prep" in stages or {1: "diag", 2: "tiles"}.get(part) in stages):
                 tree_gdn_prep_kernel[(programs, B * HV)](
@@ -365,12 +350,12 @@ def tree_gdn_verify(q, k, v, g, beta, parent, num_nodes, state_pool, state_idx, 
                     NPAD, NW=anc.shape[-1], BT=BT, BK=BK, BC=BC, USE_L2NORM=use_qk_l2norm,
                     DOT_PREC=precision, PDL=pdl, PART=part, ROOT=ROOT, INV_BASE=inv_base,
                     INV_PREC="tf32x3" if precision == "tf32" and inv_base < BT else precision,
-                    num_warps=diag_warps if part == 1 else prep_warps,
-                    **extra)
+                    num_warps=tuning.diag_warps if part == 1 else tuning.prep_warps,
+                    **launch)
     if "solve" in stages:
-        tree_gdn_solve_kernel[(triton.cdiv(V, BV), B * HV)](
+        tree_gdn_solve_kernel[(triton.cdiv(V, tuning.block_v), B * HV)](
             q, k, v, g, beta, state_pool, state_idx, num_nodes, G, RN, AP, W, vnew, o, scale, N, H,
-            HV, K, V, NB, NPAD, BT=BT, BK=BK, BV=BV, KC=min(NPAD, solve_kc),
-            STATE_V_FIRST=state_v_first, DOT_PREC=precision, PREFETCH=prefetch, PDL=pdl, ROOT=ROOT,
-            USE_L2NORM=use_qk_l2norm, W_EARLY=w_early, num_warps=nw, num_stages=1, **launch)
+            HV, K, V, NB, NPAD, BT=BT, BK=BK, BV=tuning.block_v, KC=min(NPAD, tuning.solve_kc),
+            STATE_V_FIRST=state_v_first, DOT_PREC=precision, PDL=pdl, ROOT=ROOT,
+            USE_L2NORM=use_qk_l2norm, num_warps=tuning.num_warps, num_stages=1, **launch)
     return o, GDNTreeStash(k, vnew, G, anc, use_qk_l2norm, state_v_first)

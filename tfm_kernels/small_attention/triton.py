@@ -110,16 +110,13 @@ def small_attention_bwd_kernel(
     tl.store(dk + row_s[:, None] * D + o_d[None, :], b_dk.to(dk.dtype.element_ty), mask=m_sd)
 
 
-# Launch overrides {"fwd": num_warps, "bwd": num_warps} for tuning sweeps (benchmarks/bench_small_attention.py).
-WARPS_OVERRIDE: dict = {}
-
-
-def _config(q, T, S, hd, which):
-    """Tile sizes (powers of two >= 16, as tl.dot needs) and launch options of one (b, h) program."""
+def _config(q, T, S, hd):
+    """Tile sizes (powers of two >= 16, as tl.dot needs) and launch options of one (b, h) program, for the
+    forward and the backward: 4 warps, 8 for tiles over 64 x 128."""
     BT, BS, BD = (max(16, triton.next_power_of_2(n)) for n in (T, S, hd))
     big = BT * BD > 64 * 128 or BS * BD > 64 * 128
-    warps = WARPS_OVERRIDE.get(which) or (8 if big else 4)
-    return dict(BT=BT, BS=BS, BD=BD, D=hd, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps)
+    return dict(BT=BT, BS=BS, BD=BD, D=hd, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                num_warps=8 if big else 4)
 
 
 def _unit_last(x):
@@ -139,7 +136,7 @@ def small_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     q, k, v, m8 = _unit_last(q), _unit_last(k), _unit_last(v), mask.view(torch.int8)
     small_attention_fwd_kernel[(B * nh,)](
         q, k, v, m8, o, lse, scale * LOG2E,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *m8.stride(), nh, T, S, **_config(q, T, S, hd, "fwd"))
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *m8.stride(), nh, T, S, **_config(q, T, S, hd))
     return o, lse
 
 
@@ -166,7 +163,7 @@ def small_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     small_attention_bwd_kernel[(B * nh,)](
         do, q, k, v, m8, lse, dq, dk, dv, scale, scale * LOG2E,
         *do.stride()[:3], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *m8.stride(), nh, T, S,
-        **_config(q, T, S, hd, "bwd"))
+        **_config(q, T, S, hd))
     return dq, dk, dv
 
 

@@ -1,5 +1,5 @@
 from tfm_kernels.tree_attention.ref import tree_attention_ref
-from tfm_kernels.tree_attention.triton import tree_attention
+from tfm_kernels.tree_attention.triton import TreeAttentionTuning, tree_attention
 from tfm_kernels.tree_utils import ancestor_bitmask, ancestor_mask
 
-__all__ = ["tree_attention", "tree_attention_ref", "ancestor_mask", "ancestor_bitmask"]
+__all__ = ["TreeAttentionTuning", "tree_attention", "tree_attention_ref", "ancestor_mask", "ancestor_bitmask"]

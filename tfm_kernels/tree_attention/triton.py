@@ -6,7 +6,9 @@ chunk of the prefix with no mask; the last split also streams the tree keys unde
 bitmask, skipping key blocks past the tile's last node (topological order: ancestors come first).
 With more than one split, a merge kernel combines the fp32 partials by their log-sum-exp.
 """
+import dataclasses
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -15,7 +17,6 @@ import triton.language as tl
 from tfm_kernels.tree_utils import pack_bits
 
 LOG2E = 1.4426950408889634
-
 
 
 @triton.jit
@@ -130,30 +131,59 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def pick_config(B, N, G, Hkv, D, Lmax, device, num_splits=None, *, itemsize=2, block_m=None, block_n=None,
-                num_warps=None, num_stages=None):
-    """Tile sizes and split count; a function of shapes only (no sync, CUDA-graph safe).
+@dataclass(frozen=True)
+class TreeAttentionTuning:
+    """Launch parameters of `tree_attention`; `TreeAttentionTuning.for_shape(N, G, D, itemsize)` is the default.
 
-    The keyword-only arguments override the heuristic (for tuning sweeps).
+    block_m: packed (node, q head) rows per program; block_n: keys per step (both powers of 2 >= 16);
+    num_warps, num_stages: launch options; num_splits: prefix splits (split-KV and a log-sum-exp merge),
+    None: enough programs for ~2 waves while each split keeps >= 4 key blocks.
     """
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            x = getattr(self, name)
+            if x < 16 or x & (x - 1):
+                raise ValueError(f"{name} must be a power of 2 >= 16, got {x}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1 or None, got {self.num_splits}")
+
+    @classmethod
+    def for_shape(cls, N: int, G: int, D: int, itemsize: int = 2) -> "TreeAttentionTuning":
+        """The default for N nodes, G q heads per kv head, head size D, inputs of `itemsize` bytes.
+
+        Many packed rows (>= 256, 16-bit, D <= 256) are compute bound: 128-row tiles, 8 warps, 3 stages.
+        Fewer rows: the smallest of 16 / 32 / 64-row tiles that holds them, 2 stages. The pipelined K and V
+        tiles must fit in shared memory next to the Q tile, so wide heads take fewer keys per step.
+        """
+        rows, block_d = N * G, max(16, triton.next_power_of_2(D))
+        big = rows >= 256 and itemsize <= 2 and block_d <= 256
+        block_m = 128 if big else 16 if rows <= 16 else 32 if rows <= 32 else 64
+        block_n = 64 if block_d * itemsize <= 256 else 32 if block_d * itemsize <= 1024 else 16
+        warps = 8 if block_m >= 128 or (block_m >= 64 and block_d * itemsize >= 1024) else 4
+        return cls(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=3 if big else 2)
+
+
+def launch_config(B, N, G, Hkv, D, Lmax, device, tuning: TreeAttentionTuning) -> dict:
+    """The launch of `tuning` on these shapes: tiles, warps, stages, the split count and each split's prefix
+    chunk (a multiple of BLOCK_N). A function of shapes only (no sync, CUDA-graph safe)."""
     rows = N * G
-    block_d = max(16, triton.next_power_of_2(D))
-    # H200 sweep (benchmarks/results/tree_attention_h200.json, "tuning_run"): many packed rows are
-    # compute bound and like 128-row tiles with 3 stages; fewer rows like 64-row tiles and 4 warps.
-    big = rows >= 256 and itemsize <= 2 and block_d <= 256
-    block_m = block_m or (128 if big else 16 if rows <= 16 else 32 if rows <= 32 else 64)
-    # The pipelined K and V tiles must fit in shared memory next to the Q tile.
-    block_n = block_n or (64 if block_d * itemsize <= 256 else 32 if block_d * itemsize <= 1024 else 16)
+    block_m, block_n = tuning.block_m, tuning.block_n
     base = triton.cdiv(rows, block_m) * B * Hkv
+    num_splits = tuning.num_splits
     if num_splits is None:
         sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
         # Fill ~2 waves, but keep >= 4 key blocks per split so the loop still pipelines.
         num_splits = max(1, min(triton.cdiv(2 * sms, base), triton.cdiv(Lmax, 4 * block_n)))
     chunk = max(block_n, triton.cdiv(triton.cdiv(max(Lmax, 1), num_splits), block_n) * block_n)
     num_splits = max(1, triton.cdiv(Lmax, chunk))
-    warps = num_warps or (8 if block_m >= 128 or (block_m >= 64 and block_d * itemsize >= 1024) else 4)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_splits=num_splits, chunk=chunk,
-                num_warps=warps, num_stages=num_stages or (3 if big else 2))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)), num_splits=num_splits,
+                chunk=chunk, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
 
 
 def tree_attention_fwd(q, k_tree, v_tree, k_prefix, v_prefix, prefix_len, anc_bits, num_nodes,
@@ -201,6 +231,7 @@ def tree_attention(
     sm_scale: float | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,
+    tuning: TreeAttentionTuning | None = None,
 ):
     r"""Attention of each draft-tree node over the full prefix and its ancestors (itself included).
 
@@ -222,7 +253,9 @@ def tree_attention(
         num_nodes: int [B], n_b <= N; nodes >= n_b are padding.
         sm_scale: Default: D ** -0.5.
         return_lse: also return the natural-log log-sum-exp of the scores.
-        num_splits: prefix split count (split-KV + LSE merge). Default: enough to fill ~2 waves.
+        num_splits: prefix split count (split-KV + LSE merge), in place of `tuning.num_splits`.
+            Default: enough to fill ~2 waves.
+        tuning: launch parameters. Default: `TreeAttentionTuning.for_shape(N, Hq // Hkv, D, q.element_size())`.
     Returns:
         o: [B, N, Hq, D] in q.dtype, zero on padding nodes;
         lse: fp32 [B, N, Hq], -inf on padding nodes (only if `return_lse`).
@@ -255,7 +288,12 @@ def tree_attention(
     k_tree, v_tree = _same_layout(k_tree, v_tree)
     k_prefix, v_prefix = _same_layout(k_prefix, v_prefix)
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    cfg = pick_config(B, N, Hq // Hkv, Hkv, D, k_prefix.shape[1], q.device, num_splits, itemsize=q.element_size())
+    tuning = TreeAttentionTuning.for_shape(N, Hq // Hkv, D, q.element_size()) if tuning is None else tuning
+    if not isinstance(tuning, TreeAttentionTuning):
+        raise TypeError(f"tuning must be a TreeAttentionTuning, got {type(tuning).__name__}")
+    if num_splits is not None:
+        tuning = dataclasses.replace(tuning, num_splits=num_splits)
+    cfg = launch_config(B, N, Hq // Hkv, Hkv, D, k_prefix.shape[1], q.device, tuning)
     return tree_attention_fwd(q, k_tree, v_tree, k_prefix, v_prefix, prefix_len, anc_bits, num_nodes,
                               scale, return_lse, cfg)
 

@@ -10,6 +10,7 @@ The target's embedding E [V, d_embed] and LM head W_lm [V, d_model] are passed i
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from torch import nn
 
 from tfm_runtime.models.common import (RMSNorm, apply_rope, load_safetensors_dir, load_strict, rope_cos_sin,
                                        save_safetensors_dir)
+
+if TYPE_CHECKING:
+    from tfm_kernels.candidate_logits.grouped import GroupedTuning
 
 
 @dataclass
@@ -59,9 +63,9 @@ def small_attention(q, k, v, mask):
 
     On CUDA with one [T, S] mask for all rows and heads (training, the prefix) and T, S <= 128, hd <= 256: the fused
     Triton kernel of `tfm_kernels.small_attention` (one launch per layer forward and one backward, each reading every
-    q/k/v tile once; cuBLAS ran the batched 31 x 31 products on old cutlass_75 WMMA kernels, 2.2 ms per training
-    step at gb 1024 for the 18 bmm calls). Its o is a view of a [B, T, nh, hd] tensor. Otherwise (CPU, float64,
-    per-row masks of the node steps): `_small_attention_bmm`."""
+    q/k/v tile once, where cuBLAS runs the batched 31 x 31 products on old cutlass_75 WMMA kernels). Its o is a
+    view of a [B, T, nh, hd] tensor. Otherwise (CPU, float64, per-row masks of the node steps):
+    `_small_attention_bmm`."""
     T, S, hd = q.shape[-2], k.shape[-2], q.shape[-1]
     if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and 0 < T <= 128 and 0 < S <= 128
             and hd <= 256 and (mask.dim() == 2 or (mask.dim() == 4 and mask.shape[:2] == (1, 1)))):
@@ -94,8 +98,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def _small_attention_bmm(q, k, v, mask):
     """`small_attention` as two batched matmuls and an fp32 softmax that torch.compile fuses (any mask shape).
 
-    Written out rather than through scaled_dot_product_attention: the fused kernels tile 64-128 keys, so at
-    T = 31 they ran 3.3 ms per training step (gb 1024, Qwen3.6-27B preset) on padding."""
+    Written out rather than through scaled_dot_product_attention: its fused kernels tile 64-128 keys, so at
+    T = 31 they spend most of their time on padding."""
     scores = q @ k.transpose(-1, -2)                                                    # [B, nh, T, S]
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * q.shape[-1] ** -0.5
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
@@ -127,6 +131,26 @@ class WeaverBlock(nn.Module):
         return x + self.down_proj(swiglu(self.gate_up_proj(self.mlp_norm(x))))
 
 
+@dataclass(frozen=True)
+class WeaverScoring:
+    """How `Weaver.score` computes the candidate scores on CUDA (fp16/bf16/fp32; CPU and float64 always take
+    weight[cand] + bmm). The choices give the same log q up to rounding.
+
+    kernels: the Triton kernels of `tfm_kernels.candidate_logits`, which gather the candidates' LM-head rows in both
+        passes; False: weight[cand] + bmm, which materialises [..., K, d_model].
+    group_rows: > 0: score groups of this many rows (x L depths) over their distinct LM-head rows
+        (`grouped_candidate_log_probs`; for [rows, L, K] candidates); 0: one gather per (row, depth, candidate).
+    tuning: launch parameters of the grouped scoring (a `GroupedTuning`; None: its default for the shape).
+    """
+    kernels: bool = True
+    group_rows: int = 0
+    tuning: GroupedTuning | None = None
+
+    def __post_init__(self):
+        if self.group_rows < 0:
+            raise ValueError(f"group_rows must be >= 0, got {self.group_rows}")
+
+
 class WeaverState:
     """Per-round K/V: prefix [B, nh, 1+L, hd] and tree nodes [B, nh, Nt, hd] for each layer."""
 
@@ -140,14 +164,6 @@ class WeaverState:
 
 
 class Weaver(nn.Module):
-    # score() gathers LM-head rows with the Triton kernels on CUDA; False forces weight[cand] + bmm (benchmarks)
-    use_candidate_kernels: bool = True
-    # > 0: training scores groups of this many rows (x L depths) over their distinct LM-head rows
-    # (tfm_kernels/candidate_logits/grouped.py; the trainer sets 4); 0: one gather per (row, depth, candidate)
-    candidate_group_rows: int = 0
-    # launch overrides of the grouped scoring (keys of tfm_kernels/candidate_logits/grouped.py's _config; benchmarks)
-    candidate_group_tuning: dict | None = None
-
     def __init__(self, cfg: WeaverConfig):
         super().__init__()
         self.cfg = cfg
@@ -201,24 +217,25 @@ class Weaver(nn.Module):
         return self.out_norm(x)
 
     def score(self, h: torch.Tensor, cand_ids: torch.Tensor, cand_logits: torch.Tensor,
-              lm_head_weight: torch.Tensor) -> torch.Tensor:
+              lm_head_weight: torch.Tensor, scoring: WeaverScoring = WeaverScoring()) -> torch.Tensor:
         """h [..., r], cand_ids/cand_logits [..., K] -> log q over the K candidates [..., K] (fp32, or fp64).
 
         Reads only the K candidate rows of the LM head: residual_c = W_lm[c] . (A h), A = lm_head_query_in.
         On CUDA (fp16/bf16/fp32) the Triton kernels of `tfm_kernels.candidate_logits` gather the rows in both passes
-        instead of materialising W_lm[cand] ([..., K, d_model]: 78.6 MB per training row at the Qwen3.6-27B preset).
+        instead of materialising W_lm[cand] ([..., K, d_model]: 78.6 MB per training row at the Qwen3.6-27B preset);
+        `scoring` picks how.
         """
         query = self.lm_head_query_in(h)                                                 # [..., d_model]
-        if (self.use_candidate_kernels and query.is_cuda and query.dtype != torch.float64
+        if (scoring.kernels and query.is_cuda and query.dtype != torch.float64
                 and not lm_head_weight.requires_grad):
             from tfm_kernels.candidate_logits import candidate_log_probs
             K = cand_ids.shape[-1]
             hid, cand, bias = query.reshape(-1, query.shape[-1]), cand_ids.reshape(-1, K), cand_logits.reshape(-1, K)
-            if self.candidate_group_rows > 0 and cand_ids.dim() >= 3:
+            if scoring.group_rows > 0 and cand_ids.dim() >= 3:
                 from tfm_kernels.candidate_logits.grouped import grouped_candidate_log_probs
-                group = self.candidate_group_rows * cand_ids.shape[-2]                   # rows x L queries
+                group = scoring.group_rows * cand_ids.shape[-2]                          # rows x L queries
                 logq = grouped_candidate_log_probs(hid, lm_head_weight, cand, group, bias=bias.float(),
-                                                   tuning=self.candidate_group_tuning)
+                                                   tuning=scoring.tuning)
             else:
                 logq = candidate_log_probs(hid, lm_head_weight, cand, bias=bias.float())  # [M, K] fp32
             return logq.view(cand_ids.shape)
@@ -230,12 +247,12 @@ class Weaver(nn.Module):
     # ---- training: teacher-forced chains, one pass ---------------------------------------------------
     def forward_chain(self, h_final: torch.Tensor, u: torch.Tensor, chain_tokens: torch.Tensor,
                       cand_ids: torch.Tensor, cand_logits: torch.Tensor, embed_weight: torch.Tensor,
-                      lm_head_weight: torch.Tensor) -> torch.Tensor:
+                      lm_head_weight: torch.Tensor, scoring: WeaverScoring = WeaverScoring()) -> torch.Tensor:
         """Batched teacher forcing along the true continuation.
 
         h_final [B, H]; u [B, L, H]; chain_tokens [B, L] = (root, x_1, ..., x_{L-1}); cand_ids/logits [B, L, K].
         Node d (token chain_tokens[:, d], depth d) sees the whole prefix and chain nodes 0..d and scores the
-        candidates of depth d+1 (row d). Returns log q [B, L, K].
+        candidates of depth d+1 (row d) as `score` does with `scoring`. Returns log q [B, L, K].
         """
         B, L = chain_tokens.shape
         dev = h_final.device
@@ -249,7 +266,7 @@ class Weaver(nn.Module):
             q, k, v = blk.qkv(x, cos, sin)
             x = blk.finish(x, q, k, v, mask[None, None])
         h = self.out_norm(x[:, L + 1:])                                                  # [B, L, r]
-        return self.score(h, cand_ids, cand_logits, lm_head_weight)
+        return self.score(h, cand_ids, cand_logits, lm_head_weight, scoring)
 
     # ---- artifact: config.json + model.safetensors ---------------------------------------------------
     def save_pretrained(self, path: str, extra_config: dict | None = None) -> None:

@@ -1,8 +1,8 @@
 """The collect job end to end on a real Ray cluster: `ray start --head` + `ray job submit`, then resume after a kill.
 
 The cluster is private to this module: loopback addresses, free ports, its own temp dir (so that no other
-`ray.init()` on the machine finds and joins it), token auth off for every process (RAY_AUTH_MODE, see
-shared/reference/feasibility.md section 2). It is started with `ray start --block` in a new session and torn down
+`ray.init()` on the machine finds and joins it), token auth off for every process (RAY_AUTH_MODE: Ray turns
+token auth on for a local ray.init() and then refuses job submissions that carry none). It is started with `ray start --block` in a new session and torn down
 by signalling that process group: `ray stop` would stop every Ray process on the machine, not only ours.
 """
 from __future__ import annotations

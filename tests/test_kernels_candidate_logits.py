@@ -8,7 +8,7 @@ from tfm_kernels.candidate_logits import candidate_logits, candidate_logits_ref
 from tfm_kernels.candidate_logits.ref import candidate_logits_full_head
 from tfm_kernels.candidate_logits import CandidateTuning
 
-# Logits: relative error; logprobs: absolute error (tfm_kernels.md 7(c)).
+# Logits: relative error; logprobs: absolute error.
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-3)}
 
 

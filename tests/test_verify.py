@@ -89,7 +89,7 @@ def test_traversal_is_exact(tree, target):
 
 
 def _wrong_norm_s(row, proposal, alpha, token):
-    """The non-lossless variant of method.md 4.4: alpha' = S / (1 - q(rejected))."""
+    """The non-lossless variant of docs/method.md §5.5: alpha' = S / (1 - q(rejected))."""
     residual = (alpha * row - proposal).clamp_min(0.0)
     S, norm_s = float(residual.sum()), 1.0 - float(proposal[token])
     rest = proposal.clone()

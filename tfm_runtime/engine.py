@@ -39,7 +39,7 @@ class DecodeStats:
 
     @property
     def acceptance_length(self) -> float:
-        """Mean tokens per verify step, bonus included (method.md 8.7)."""
+        """Mean tokens per verify step, bonus included (docs/method.md §7.1)."""
         return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
 
     @property

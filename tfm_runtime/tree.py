@@ -1,4 +1,4 @@
-"""Proposal trees: the `Tree` record and the chain / DDTree builders (method.md 3, 4.2, 8.4).
+"""Proposal trees: the `Tree` record and the chain / DDTree builders (docs/method.md §3.1-3.3, §5.4).
 
 A tree of N nodes is four aligned 1-D tensors. Node 0 is the root: the bonus token of the previous round,
 already chosen but not yet in the target's KV cache. Every other node is a draft token whose parent comes
@@ -182,7 +182,7 @@ def build_chain(root_token: int, draft_logits: torch.Tensor, budget: int, *, tem
 def build_ddtree(root_token: int, draft_logits: torch.Tensor, budget: int) -> Tree:
     """DDTree: the `budget` most likely paths under the product of independent per-depth marginals.
 
-    Best-first search over the top-k (k = min(budget, V)) tokens of every depth (method.md 3): a heap entry is
+    Best-first search over the top-k (k = min(budget, V)) tokens of every depth (docs/method.md §3.3): a heap entry is
     a path given by its per-depth ranks; popping it creates its node and pushes its next sibling (rank + 1)
     and its first child (rank 0 one level deeper). Path scores only decrease along a path, so the result is
     ancestor-closed and nodes come out parents first. Ties go to the lexicographically smaller rank path

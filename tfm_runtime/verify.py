@@ -1,4 +1,4 @@
-"""Lossless verification of a proposal tree against the target (method.md 4, DESIGN.md 4).
+"""Lossless verification of a proposal tree against the target (docs/method.md §5).
 
 Every rule returns `(accepted, bonus)`: the accepted node indices from the root (root included) and the
 token emitted after the last accepted node. The emitted tokens are tokens[accepted[1:]] + [bonus]; for the
@@ -77,7 +77,7 @@ def verify_greedy(tree: Tree, target_logits: torch.Tensor) -> tuple[list[int], i
 
 def verify_target_only(tree: Tree, target_probs: torch.Tensor,
                        generator: torch.Generator | None = None) -> tuple[list[int], int]:
-    """Target-only ("naive") verification (method.md 4.1); target_probs [N, V]. See `verify_target_only_with`."""
+    """Target-only ("naive") verification (docs/method.md §5.3); target_probs [N, V]. See `verify_target_only_with`."""
     return verify_target_only_with(tree, target_probs, uniform_draw(uniforms(tree.num_nodes, generator)))
 
 
@@ -99,7 +99,7 @@ def verify_target_only_with(tree: Tree, target_probs: torch.Tensor, draw: Draw) 
 
 def verify_chain_sampling(tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
                           generator: torch.Generator | None = None) -> tuple[list[int], int]:
-    """Speculative sampling on a chain (method.md 4.2); see `verify_chain_sampling_with`."""
+    """Speculative sampling on a chain (docs/method.md §5.4); see `verify_chain_sampling_with`."""
     return verify_chain_sampling_with(tree, target_probs, draft_probs,
                                       uniform_draw(uniforms(tree.num_nodes, generator)))
 
@@ -134,7 +134,7 @@ def verify_chain_sampling_with(tree: Tree, target_probs: torch.Tensor, draft_pro
 
 def verify_traversal(tree: Tree, target_probs: torch.Tensor,
                      generator: torch.Generator | None = None) -> tuple[list[int], int]:
-    """Traversal Verification (method.md 4.4); target_probs [N, V]. Sibling orders are drawn by Gumbel keys
+    """Traversal Verification (docs/method.md §5.5); target_probs [N, V]. Sibling orders are drawn by Gumbel keys
     from q = softmax(draft_logprobs of the siblings). See `verify_traversal_with`."""
     n = tree.num_nodes
     u = uniforms(2 * n + 1, generator)
@@ -235,7 +235,7 @@ def _reject_child(row: torch.Tensor, proposal: torch.Tensor, alpha: float,
         proposal': [V] q without `token`, renormalised (sampling without replacement).
         alpha': S / (S + 1 - alpha) with S = sum((alpha p - q)_+). The child was rejected with probability
             sum((q - alpha p)_+) = S + 1 - alpha, and P must end up accepted with next token y with
-            probability alpha p(y); solving gives alpha' (method.md 4.4). It is 0 when S + 1 - alpha = 0.
+            probability alpha p(y); solving gives alpha' (docs/method.md §5.5). It is 0 when S + 1 - alpha = 0.
     """
     residual = (alpha * row - proposal).clamp_min(0.0)
     S = float(residual.sum())

@@ -1,4 +1,4 @@
-"""Best-first proposal trees with batched Weaver expansions (method.md 7.3).
+"""Best-first proposal trees with batched Weaver expansions (docs/method.md §3.4).
 
   root (depth 0, the bonus token): one Weaver step -> top-`expand` children, score = log q
   repeat until `budget` draft nodes are placed:

@@ -1,4 +1,4 @@
-"""Deterministic tiny "worlds" (DESIGN.md section 6): a target, a DFlash drafter and a Weaver, built in code.
+"""Deterministic tiny "worlds": a target, a DFlash drafter and a Weaver, built in code.
 
 Random weights, millisecond forwards on a CPU, no download. Families: dense `llama`, `qwen3`; hybrid
 `qwen3_next`, `qwen3_5` (Gated DeltaNet + full attention layers).

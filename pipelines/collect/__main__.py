@@ -1,6 +1,6 @@
 """python -m pipelines.collect --config collect.yaml
 
-Rolls out the target on prompts and writes validated Arrow/Parquet shards + manifest.json (DESIGN.md section 3).
+Rolls out the target on prompts and writes validated Arrow/Parquet shards + manifest.json (the shard format: pipelines/shards.py).
 On a cluster:  ray job submit --working-dir . -- python -m pipelines.collect --config collect.yaml
 Without one, a local Ray starts. Re-running with the same config resumes: finished shards are skipped.
 """

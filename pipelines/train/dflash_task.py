@@ -1,4 +1,4 @@
-"""DFlash drafter training for targets that have none (method.md 2.4), from target-regenerated sequences
+"""DFlash drafter training for targets that have none (docs/method.md §2.4), from target-regenerated sequences
 (collect's text-only shards), with the target's tap features computed here (online; small targets).
 
 Per sequence and step: random anchors a in [max(1, prompt_len), T-2]; block a = [x_a, MASK x (S-1)] at positions

@@ -43,7 +43,9 @@ def tree_acceptance(tree: Tree, truth: list[int]) -> int:
 
 
 def ddtree_from_candidates(root: int, cand_ids: torch.Tensor, cand_logits: torch.Tensor, budget: int) -> Tree:
-    """DDTree over DFlash's top-K per depth (the same ranking as over the full vocabulary for budget <= K)."""
+    """DDTree over DFlash's top-K per depth, each depth's log-probs normalised over its K candidates (the shards
+    hold no full-vocabulary normaliser). Within a depth the ranking is the full vocabulary's; across depths the
+    candidates' missing mass lifts deeper paths a little, so the tree can differ from the decoder's DDTree."""
     t = build_ddtree(root, cand_logits.float(), budget)
     tokens = t.tokens.clone()
     tokens[1:] = cand_ids[t.depths[1:] - 1, t.tokens[1:]]

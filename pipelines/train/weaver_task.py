@@ -1,4 +1,4 @@
-"""Weaver training: teacher-forced chains over the L depths of each anchor row (method.md 8.2), loss =
+"""Weaver training: teacher-forced chains over the L depths of each anchor row (docs/method.md §4.6-4.7), loss =
 candidate-restricted KL to the target distribution (or cross-entropy on the true token), weighted by depth.
 
 The trainer never runs the target: it reads only the target's input embedding and LM-head rows.

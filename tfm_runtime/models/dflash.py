@@ -213,7 +213,7 @@ class DFlashDrafter(nn.Module):
 
     def forward_blocks(self, taps: torch.Tensor, anchors: torch.Tensor, noise_emb: torch.Tensor,
                        seq_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Many anchors of one or several sequences in one pass (collection and training; method.md 2.4).
+        """Many anchors of one or several sequences in one pass (collection and training; docs/method.md §2.4).
 
         taps [B, T, n_taps*H] tap features of whole sequences (right-padded); anchors [A] block start positions;
         noise_emb [A, S, H] embedded blocks [x_a, MASK...] at positions a..a+S-1; seq_index [A] the row of taps

@@ -3,7 +3,7 @@
 Per node i (parents before children, node 0 = root, its parent is the committed state):
   conv:  window = pre-conv inputs of its (Kc-1) nearest ancestors and itself, falling back to the committed conv
          state above the root; out = silu(sum_j w_j * window_j)
-  GDN:   S_i = exp(g_i) S_parent (I - b_i k_i k_i^T) + b_i v_i k_i^T  (HF layout: S [K, V]),  o_i = S_i^T q_i
+  GDN:   S_i = exp(g_i) (I - b_i k_i k_i^T) S_parent + b_i k_i v_i^T  (HF layout: S [K, V]),  o_i = S_i^T q_i
 The committed conv/recurrent states are never written here; `TreeGDNStash` keeps what the commit needs.
 """
 from __future__ import annotations

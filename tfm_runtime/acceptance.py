@@ -133,14 +133,32 @@ def matched_depth(tree, continuation: list[int]) -> int:
     return d
 
 
+def step_trees(decoder, traj: Trajectory, n: int, chunk: int = 64) -> list:
+    """The tree `decoder` builds at T = 0 from every root y_j, j < n (Weaver trees in batches of `chunk` roots)."""
+    if decoder.proposal != "weaver":
+        return [decoder._tree(traj.tokens[j], traj.draft_logits[j], traj.draft_hidden[j], traj.h_last[j], 0.0,
+                              None)[0] for j in range(n)]
+    from tfm_runtime.weaver_tree import build_weaver_trees
+    w, t = decoder.adapter, decoder.target
+    K = min(w.cfg.candidate_pool, traj.draft_logits.shape[-1])
+    trees = []
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        cand_logits, cand_ids = traj.draft_logits[lo:hi].topk(K, dim=-1)                 # [b, L, K]
+        trees += build_weaver_trees(w, traj.tokens[lo:hi], traj.h_last[lo:hi], traj.draft_hidden[lo:hi], cand_ids,
+                                    cand_logits, decoder.tree_budget, embed_weight=t.embed_weight,
+                                    lm_head_weight=t.lm_head_weight, expand=decoder.expand, width=decoder.width)
+    return trees
+
+
 def walk(decoder, traj: Trajectory, n: int, eos_token_id: int | None) -> tuple[list[int], list[int]]:
     """The decoder's greedy steps along `traj`: -> (accepted tokens per step, tree sizes), exactly as
-    `SpeculativeDecoder.generate` would count them for `n` new tokens."""
+    `SpeculativeDecoder.generate` counts them for `n` new tokens."""
+    trees = step_trees(decoder, traj, n)
     y, j, accepted, sizes = traj.tokens, 0, [], []
     while j + 1 < n and y[j] != eos_token_id:
-        tree, _ = decoder._tree(y[j], traj.draft_logits[j], traj.draft_hidden[j], traj.h_last[j], 0.0, None)
-        m = matched_depth(tree, y[j + 1:])
+        m = matched_depth(trees[j], y[j + 1:])
         accepted.append(m + 1)
-        sizes.append(tree.num_nodes)
+        sizes.append(trees[j].num_nodes)
         j += m + 1
     return accepted, sizes

@@ -227,5 +227,10 @@ def build_ddtree(root_token: int, draft_logits: torch.Tensor, budget: int) -> Tr
                 draft_logprobs=torch.tensor(logq, dtype=torch.float64, device=device))
 
 
-# The Weaver builder lives in tfm_runtime/weaver_tree.py; its re-export goes below.
-from tfm_runtime.weaver_tree import build_weaver_tree  # noqa: E402,F401
+def __getattr__(name: str):
+    """`tfm_runtime.tree.build_weaver_tree`: the Weaver builder lives in tfm_runtime/weaver_tree.py (which
+    imports this module, so it is re-exported lazily)."""
+    if name == "build_weaver_tree":
+        from tfm_runtime.weaver_tree import build_weaver_tree
+        return build_weaver_tree
+    raise AttributeError(f"module 'tfm_runtime.tree' has no attribute {name!r}")

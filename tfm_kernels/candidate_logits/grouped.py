@@ -13,7 +13,7 @@ are read once and scored against all G queries with a tensor-core dot:
     dhidden[g G + q] = sum_u dS[g, q, u] weight[union[g, u]]                  (`grouped_hidden_grad_kernel`)
 
 Weight traffic per pass: NG*U*Dm instead of M*Kc*Dm; the price is a dense fp32 [G, U] score (and gradient)
-scratch per group, 4*G*U bytes, processed in chunks of groups. Benchmark: benchmarks/bench_grouped_scoring.py.
+scratch per group, 4*G*U bytes, processed in chunks of groups. Benchmark: benchmarks/kernels/bench_grouped_scoring.py.
 """
 from dataclasses import dataclass
 

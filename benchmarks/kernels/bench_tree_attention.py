@@ -6,20 +6,19 @@ so the KV is not served from L2), and the roofline floor max(bytes / 4.8 TB/s, F
 Baselines: `F.scaled_dot_product_attention` with the prefix+ancestor bool mask on pre-concatenated
 KV, (a) with the KV heads repeated G times beforehand (not timed) and (b) with `enable_gqa=True`.
 
-    python benchmarks/bench_tree_attention.py --out benchmarks/results/tree_attention_h200.json
-    TRITON_INTERPRET=1 python benchmarks/bench_tree_attention.py --smoke   # CPU check of the script
+    python -m benchmarks.kernels.bench_tree_attention --out benchmarks/results/tree_attention_h200.json
+    TRITON_INTERPRET=1 python -m benchmarks.kernels.bench_tree_attention --smoke   # CPU check of the script
 """
 import argparse
 import dataclasses
 import json
 
 import torch
-from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
 
+from benchmarks.common import copy_bandwidth, env, n_copies, rel_rms, time_calls, write_results
 from tfm_kernels.tree_attention.ref import tree_attention_ref
 from tfm_kernels.tree_attention.triton import TreeAttentionTuning, launch_config, tree_attention
 from tfm_kernels.tree_utils import ancestor_mask, pack_bits
-from tfm_runtime.io import atomic_write_json
 
 PEAK_BW, PEAK_BF16 = 4.8e12, 989e12
 # Tuning sweep (TreeAttentionTuning fields to change from the default; splits_x: that many times the default
@@ -129,12 +128,12 @@ def main():
     else:
         shape, Ls, ns, dtype = (24, 4, 256), (1024, 4096, 16384), (16, 65, 129), torch.bfloat16
         sweep_at = {(16384, 16), (16384, 129), (4096, 65), (1024, 65)}
-    res = dict(env=env_info(), op="tree_attention", copy_bandwidth_tbps=copy_bandwidth(),
+    res = dict(env=env(), op="tree_attention", copy_bandwidth_tbps=copy_bandwidth(),
                peak_assumed=dict(hbm_tbps=PEAK_BW / 1e12, bf16_tflops=PEAK_BF16 / 1e12), cases=[])
     for L in Ls:
         for n in ns:
             res["cases"].append(bench_case(L, n, shape, dtype, dev, (L, n) in sweep_at and not a.no_sweep))
-            atomic_write_json(a.out, res)  # partial results survive a time-out
+            write_results(a.out, res)  # partial results survive a time-out
     print(f"{'L':>6} {'n':>4} {'triton us':>10} {'sdpa us':>9} {'gqa us':>8} {'speedup':>8} "
           f"{'floor us':>9} {'x floor':>8} {'bound':>8} {'rel-rms':>9}")
     for r in res["cases"]:

@@ -1,7 +1,7 @@
 """Install the carried wheels (.whl/) that the GPU image lacks, or has too old, into one folder.
 
-    python3 benchmarks/gpu_wheels.py /root/site && export PYTHONPATH=/root/site:$PYTHONPATH
-    python3 benchmarks/gpu_wheels.py /root/site deepspeed transformers   # only these imports must work
+    python3 -m benchmarks.gpu.wheels /root/site && export PYTHONPATH=/root/site:$PYTHONPATH
+    python3 -m benchmarks.gpu.wheels /root/site deepspeed transformers   # only these imports must work
 
 The device machine reaches no package registry (see the device tool's README): wheels travel with the working
 tree, downloaded here with `pip download --no-deps --python-version 3.12 ...`. A wheel is installed only when
@@ -9,6 +9,7 @@ its distribution is missing or older than MIN_VERSION asks, so the image's own b
 are never shadowed. Prints what it installed; exits 1 when a required import (by default CHECK_IMPORTS, or
 the modules named after the folder: a session that carries only some wheels) still fails.
 """
+import argparse
 import glob
 import importlib.metadata as md
 import os
@@ -54,4 +55,8 @@ def main(site: str, check: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "/root/site", sys.argv[2:] or CHECK_IMPORTS))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("site", nargs="?", default="/root/site", help="folder to install into (default: /root/site)")
+    ap.add_argument("check", nargs="*", default=CHECK_IMPORTS, help="imports that must work afterwards")
+    args = ap.parse_args()
+    sys.exit(main(args.site, args.check))

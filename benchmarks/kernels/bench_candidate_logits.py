@@ -5,19 +5,18 @@ per call (CUDA graph over rotated candidate sets, so rows are not served from L2
 floor `(M*Kc*Dm*2 + M*Dm*2) / 4.8 TB/s` (also against the measured copy bandwidth). Baselines:
 `weight[cand]` materialised + bmm + log_softmax, and the full LM head + gather + log_softmax.
 
-    python benchmarks/bench_candidate_logits.py --out benchmarks/results/candidate_logits_h200.json
-    TRITON_INTERPRET=1 python benchmarks/bench_candidate_logits.py --smoke   # CPU check of the script
+    python -m benchmarks.kernels.bench_candidate_logits --out benchmarks/results/candidate_logits_h200.json
+    TRITON_INTERPRET=1 python -m benchmarks.kernels.bench_candidate_logits --smoke   # CPU check of the script
 """
 import argparse
 import dataclasses
 import json
 
 import torch
-from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
 
+from benchmarks.common import copy_bandwidth, env, n_copies, rel_rms, time_calls, write_results
 from tfm_kernels.candidate_logits.ref import candidate_logits_full_head, candidate_logits_gather, candidate_logits_ref
 from tfm_kernels.candidate_logits.triton import CandidateTuning, candidate_logits
-from tfm_runtime.io import atomic_write_json
 
 PEAK_BW = 4.8e12
 # Tuning sweep, timed on a few cases only: (block_k, block_d, num_warps, num_stages) without prefetch, or dicts of
@@ -124,14 +123,14 @@ def main():
     gen = torch.Generator(device=dev).manual_seed(0)
     weight = (torch.randn(V, Dm, generator=gen, device=dev, dtype=dtype) * 0.02)
     bw = copy_bandwidth()
-    res = dict(env=env_info(), op="candidate_logits", copy_bandwidth_tbps=bw,
+    res = dict(env=env(), op="candidate_logits", copy_bandwidth_tbps=bw,
                peak_assumed=dict(hbm_tbps=PEAK_BW / 1e12), cases=[])
     for M, Kc in cases:
         row = bench_case(M, Kc, weight, dev, SWEEP[a.sweep_from:] if (M, Kc) in sweep_at else [])
         if bw:
             row["time_over_measured_copy_bw_floor"] = row["triton"]["us"] * 1e-6 * bw * 1e12 / row["floor_bytes"]
         res["cases"].append(row)
-        atomic_write_json(a.out, res)  # partial results survive a time-out
+        write_results(a.out, res)  # partial results survive a time-out
     print(f"{'M':>5} {'Kc':>4} {'triton us':>10} {'gather us':>10} {'full us':>9} {'floor us':>9} "
           f"{'x floor':>8} {'TB/s':>6} {'lg relrms':>10} {'lp abs':>8}")
     for r in res["cases"]:

@@ -1,7 +1,7 @@
 """GDN tree verify/commit on a GPU: correctness against float64, then timings under CUDA graphs.
 
-    python benchmarks/bench_gdn_tree.py --out benchmarks/results/gdn_tree_h200.json
-    python benchmarks/bench_gdn_tree.py --warm     # compile and autotune only (no timing, no refs)
+    python -m benchmarks.kernels.bench_gdn_tree --out benchmarks/results/gdn_tree_h200.json
+    python -m benchmarks.kernels.bench_gdn_tree --warm     # compile and autotune only (no timing, no refs)
 
 Shape: Qwen3.6-27B GDN layer (H=16, HV=48, K=V=128), B=1, bf16 inputs, fp32 state, tf32 dots.
 Every timed call rotates over `--layers` distinct buffer sets (distinct states, like consecutive
@@ -9,27 +9,23 @@ layers), so the state is read from HBM, not L2. Several solve configurations are
 best and the default (`GDNTuning.for_shape`) are reported. Baselines: fla `chunk_gated_delta_rule` on a
 chain of the same length, and per-token snapshots (a sequential recurrence writing every node's
 state, then copying the accepted one into the pool). The floor is bytes moved / 4.8 TB/s.
-Correctness cases live in `gdn_tree_cases.py`.
+Correctness cases live in `benchmarks/kernels/gdn_tree_cases.py`.
 """
 import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import env_info  # noqa: E402  (also puts the repo root on sys.path)
-from gdn_tree_cases import H, HV, K, V, correctness_matrix, fla_chain_check, make_inputs, rel  # noqa: E402
-
-from tfm_kernels.gdn_tree import GDNTuning, ref, tree_ancestor_bits, tree_gdn_commit, tree_gdn_verify  # noqa: E402
-from tfm_kernels.gdn_tree.verify import root_folded  # noqa: E402
-from tfm_kernels.launch import pdl_supported  # noqa: E402
-from tfm_runtime.io import atomic_write_json  # noqa: E402
+from benchmarks.common import env, write_results
+from benchmarks.kernels.gdn_tree_cases import H, HV, K, V, correctness_matrix, fla_chain_check, make_inputs, rel
+from tfm_kernels.gdn_tree import GDNTuning, ref, tree_ancestor_bits, tree_gdn_commit, tree_gdn_verify
+from tfm_kernels.gdn_tree.verify import root_folded
+from tfm_kernels.launch import pdl_supported
 
 HBM = 4.8e12
 # goals for the verify (us per layer) and for (snapshots) / (verify + commit)
@@ -328,8 +324,8 @@ def main():
     t0 = time.time()
     t_end = t0 + args.budget_s
     torch.set_num_threads(min(16, os.cpu_count() or 1))
-    res = dict(meta=dict(env_info(), shape=dict(H=H, HV=HV, K=K, V=V, B=1), hbm_bytes_per_s=HBM,
-                         layers=args.layers), correctness=[], bench=[])
+    res = dict(env=env(), shape=dict(H=H, HV=HV, K=K, V=V, B=1), hbm_bytes_per_s=HBM, layers=args.layers,
+               summary=[], bench=[], correctness=[])
     jobs = [(n, "chain") for n in args.n] + [(n, "eagle") for n in args.eagle_n]
     for n, kind in jobs:
         if kind != "chain" and time.time() > t_end:
@@ -342,7 +338,7 @@ def main():
             print("bench failed", n, kind, repr(e)[:400], flush=True)
         if not args.warm:
             res["summary"] = summarize(res)
-            atomic_write_json(args.out, res)
+            write_results(args.out, res)
     print(f"timings done at {time.time() - t0:.0f}s", flush=True)
     # correctness after the timings, so that a time-out loses checks (also run by the GPU tests),
     # not timings
@@ -354,7 +350,7 @@ def main():
             except Exception as e:  # noqa: BLE001
                 res["correctness"].append(dict(name="fla-chain", error=repr(e)[:400]))
         if not args.warm:
-            atomic_write_json(args.out, res)
+            write_results(args.out, res)
     print(f"{'warm-up' if args.warm else 'bench'} done at {time.time() - t0:.0f}s", flush=True)
     if not args.warm:
         print_table(res)

@@ -2,22 +2,21 @@
 
 Qwen3.6-27B preset training shape: B = 1024 rows, nh = 8, T = S = 31 (chain mask, L = 15), hd = 128, bf16;
 q, k, v are views of one qkv projection output [B, T, 3, nh, hd] as in `WeaverBlock.qkv`. Per path: rel-RMS
-of o against the float64 reference (first 64 rows), median time per call (CUDA graph; `_timing.time_calls`),
+of o against the float64 reference (first 64 rows), median time per call (CUDA graph; `benchmarks.common.time_calls`),
 and the memory floor bytes / 4.8 TB/s (forward: read q, k, v, write o; backward: read q, k, v, do, write
 dq, dk, dv; the fp32 lse is counted too). Paths: `kernel` (tfm_kernels.small_attention), `bmm` (eager
 `_small_attention_bmm` of tfm_runtime/models/weaver.py) and `bmm_compiled` (the same under torch.compile, as
 the training step runs it).
 
-    python benchmarks/bench_small_attention.py --out benchmarks/results/small_attention_h200.json
+    python -m benchmarks.kernels.bench_small_attention --out benchmarks/results/small_attention_h200.json
 """
 import argparse
 import json
 
 import torch
-from _timing import copy_bandwidth, env_info, n_copies, rel_rms, time_calls
 
+from benchmarks.common import copy_bandwidth, env, n_copies, rel_rms, time_calls, write_results
 from tfm_kernels.small_attention import small_attention, small_attention_ref
-from tfm_runtime.io import atomic_write_json
 from tfm_runtime.models.weaver import _small_attention_bmm, chain_mask
 
 PEAK_BW = 4.8e12
@@ -61,7 +60,7 @@ def main():
                  bmm_compiled=torch.compile(_small_attention_bmm))
     qkv0 = sets[0][0][:64]
     ref = small_attention_ref(*qkv0.detach().permute(2, 0, 3, 1, 4), mask)
-    res = dict(env=env_info(), op="small_attention", copy_bandwidth_tbps=copy_bandwidth(),
+    res = dict(env=env(), op="small_attention", copy_bandwidth_tbps=copy_bandwidth(),
                shape=dict(B=B, nh=nh, T=T, S=T, hd=hd, dtype="bfloat16", mask="chain L=15"),
                peak_assumed=dict(hbm_tbps=PEAK_BW / 1e12), floor_us=floors, paths={})
     for name, path in paths.items():
@@ -72,7 +71,7 @@ def main():
         for kind in ("fwd", "fwd_bwd"):
             row[kind + "_over_floor"] = row[kind]["us"] / floors[kind]
         res["paths"][name] = row
-        atomic_write_json(a.out, res)                                            # partial results survive a time-out
+        write_results(a.out, res)                                            # partial results survive a time-out
     print(f"B={B} nh={nh} T=S={T} hd={hd} bf16; floors: fwd {floors['fwd']:.1f} us, fwd+bwd {floors['fwd_bwd']:.1f} us")
     print(f"{'path':>13} {'fwd us':>9} {'x floor':>8} {'fwd+bwd us':>11} {'x floor':>8} {'rel-rms':>9}")
     for name, r in res["paths"].items():

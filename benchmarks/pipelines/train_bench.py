@@ -1,8 +1,9 @@
 """Weaver training throughput: samples/s, achieved TFLOP/s and MFU against the measured bf16 matmul rate.
 
-One GPU:   python -m benchmarks.train_bench --preset qwen36_27b --out benchmarks/results/train_h200.json
-Two GPUs:  deepspeed --num_gpus 2 --module benchmarks.train_bench --preset qwen36_27b --out .../train_2gpu_h200.json
-CPU smoke: python -m benchmarks.train_bench --preset tiny --steps 3 --warmup 1
+One GPU:   python -m benchmarks.pipelines.train_bench --preset qwen36_27b --out benchmarks/results/train_h200.json
+Two GPUs:  deepspeed --num_gpus 2 --module benchmarks.pipelines.train_bench --preset qwen36_27b \
+               --out .../train_2gpu_h200.json
+CPU smoke: python -m benchmarks.pipelines.train_bench --preset tiny --steps 3 --warmup 1
 
 Synthetic anchor rows with the shard shapes of the preset (rows are random: step time does not depend on values)
 go through the real trainer objective under DeepSpeed (ZeRO-2, bf16 on GPU). The global batch is fixed, so a
@@ -27,11 +28,11 @@ PRESETS = {
 
 def replay_candidates(n: int, L: int, K: int, V: int, seed: int) -> torch.Tensor:
     """[n, L, K] candidate ids with the overlap of real ones: each row is a random anchor's L consecutive
-    top-K sets of SmolLM2-135M (benchmarks/data/smollm2_top512.npz, see candidate_overlap.py), its token ids
+    top-K sets of SmolLM2-135M (benchmarks/data/smollm2_top512.npz, see candidate_overlap), its token ids
     mapped into [0, V) by a fixed random injection (the preset's vocabulary is larger)."""
     import numpy as np
 
-    from benchmarks.candidate_overlap import DATA, load_sets
+    from benchmarks.pipelines.candidate_overlap import DATA, load_sets
     sets, v_src = load_sets(os.path.join(DATA, "smollm2_top512.npz"))
     if K > sets[0].shape[1] or V < v_src:
         raise SystemExit(f"--candidates replay holds {sets[0].shape[1]} candidates over {v_src} tokens; "
@@ -141,7 +142,7 @@ def score_time_ms(cand: torch.Tensor, p: dict, lm_head: torch.Tensor, torch_scor
     the gather's memory floor (both passes read rows*L*K*d LM-head elements once, bf16, 4.8 TB/s): the gather
     kernels (or weight[cand] + bmm with `torch_scores`), and the grouped kernels with `group_rows` rows per
     group, whose floor is 2 * (distinct ids per group) * d elements."""
-    from benchmarks._timing import fwd_bwd_ms
+    from benchmarks.common import fwd_bwd_ms
     from tfm_kernels.candidate_logits import candidate_log_probs
     from tfm_kernels.candidate_logits.grouped import grouped_candidate_log_probs
     rows, L, K = cand.shape
@@ -232,7 +233,7 @@ def main(argv=None) -> dict:
     import deepspeed
     import torch.distributed as dist
 
-    from benchmarks._timing import env_info
+    from benchmarks.common import env, write_results
     from pipelines.train.config import TrainConfig
     from pipelines.train.loop import init_distributed
     from pipelines.train.optim import make_optimizer
@@ -332,7 +333,7 @@ def main(argv=None) -> dict:
     # where the step goes: the candidate scoring alone, on this rank's rows (GPU only)
     score = (score_time_ms(pool[0]["cand_ids"][:micro], p, lm_head, args.torch_scores, args.score_group)
              if cuda else None)
-    result = {"preset": args.preset, "weaver_params": sum(q.numel() for q in obj.weaver.parameters()),
+    result = {"env": env(), "preset": args.preset, "weaver_params": sum(q.numel() for q in obj.weaver.parameters()),
               "world_size": world, "global_batch": args.global_batch, "micro_batch_per_rank": micro,
               "zero_stage": args.zero_stage, "precision": "bf16" if cuda else "fp32", "candidate_scores": scores,
               "candidates": args.candidates, "step_scoring": args.step_scoring, "score_tuning": args.score_tuning,
@@ -347,7 +348,7 @@ def main(argv=None) -> dict:
               "host_sync_sites": syncs,
               "flops_per_sample": flops_per_row(wcfg), "candidate_scoring_fwd_bwd": score,
               "candidate_scoring_share_of_step": score["ms"] / (step_s * 1e3) if score else None, "loss_trace": losses,
-              "peak_memory_gib": peak_mem, "profile": profile_summary, "env": env_info()}
+              "peak_memory_gib": peak_mem, "profile": profile_summary}
     if rank == 0:
         share = f"{result['candidate_scoring_share_of_step']:.0%}" if score else "-"
         print(f"{'preset':<12}{'gpus':>5}{'batch':>7}{'step ms':>9}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>7}"
@@ -358,9 +359,7 @@ def main(argv=None) -> dict:
         print(f"MFU {result['mfu']:.1%} against this machine's measured matmul rate ({peak:.0f} TFLOP/s per GPU), "
               f"{result['mfu_vs_reference_peak']:.1%} against the reference {args.reference_peak_tflops:.0f}")
         if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+            write_results(args.out, result)
     return result
 
 

@@ -1,6 +1,6 @@
 """Registers and spills of the GDN tree kernels on sm_90, compiled on a machine without a GPU.
 
-    python benchmarks/ptxas_regs.py prep:16:32:3:4 solve:16:16:4:64 [--maxnreg 128] [--pdl]
+    python -m benchmarks.kernels.ptxas_regs prep:16:32:3:4 solve:16:16:4:64 [--maxnreg 128] [--pdl]
 
 prep:BT:BC:NW:warps[:part] (part 0: one launch, 1: diagonal programs, 2: tiles of a split prep; the
 diagonal inverse over 8-node blocks)
@@ -15,13 +15,12 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from tfm_kernels.gdn_tree.prep import tree_gdn_prep_kernel  # noqa: E402
-from tfm_kernels.gdn_tree.verify import tree_gdn_solve_kernel  # noqa: E402
+from tfm_kernels.gdn_tree.prep import tree_gdn_prep_kernel
+from tfm_kernels.gdn_tree.verify import tree_gdn_solve_kernel
 
 INTS = ("N", "H", "HV", "K", "V", "NB", "NPAD")
 PTRS = dict(q="*bf16", k="*bf16", v="*bf16", o="*bf16", anc="*i32", num_nodes="*i32", state_idx="*i32")

@@ -2,25 +2,24 @@
 gather kernels, and where the time goes.
 
 Qwen3.6-27B LM head (vocab 248320, hidden 5120, bf16), `--rows` anchor rows x 15 depths x 512 candidates
-replayed from real top-512 sets (`benchmarks/data/smollm2_top512.npz`, as `train_bench --candidates
-replay`), bias and bf16 hidden as in the Weaver objective. Per rows-per-group: the union size, the memory
+replayed from real top-512 sets (`benchmarks/data/smollm2_top512.npz`, as `benchmarks.pipelines.train_bench
+--candidates replay`), bias and bf16 hidden as in the Weaver objective. Per rows-per-group: the union size, the memory
 floor of both passes (2 x distinct ids x hidden x 2 bytes / 4.8 TB/s), the time of each configuration in
 `SWEEP` (median of CUDA-event timed iterations), a kernel-by-kernel profile of the default one, and its
 agreement with the gather kernels.
 
-    python benchmarks/bench_grouped_scoring.py --out out/grouped_scoring.json
+    python -m benchmarks.kernels.bench_grouped_scoring --out out/grouped_scoring.json
 """
 import argparse
 import dataclasses
 
 import torch
-from _timing import env_info, fwd_bwd_ms  # (also puts the repo root on sys.path)
 
-from benchmarks.train_bench import replay_candidates, union_stats
+from benchmarks.common import env, fwd_bwd_ms, write_results
+from benchmarks.pipelines.train_bench import replay_candidates, union_stats
 from tfm_kernels.candidate_logits import candidate_log_probs
 from tfm_kernels.candidate_logits.grad import HiddenGradTuning, candidate_hidden_grad
 from tfm_kernels.candidate_logits.grouped import GroupedTuning, grouped_candidate_log_probs
-from tfm_runtime.io import atomic_write_json
 
 V, D, L, K = 248320, 5120, 15, 512
 # GroupedTuning fields to change from the default, and "precision" of the union backward's dot: the default, then
@@ -91,11 +90,11 @@ def main():
     cand = replay_candidates(args.rows, L, K, V, seed=1).reshape(M, K).to(dev)
     q = torch.randn(M, D, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_()
     bias = torch.randn(M, K, generator=g, device=dev)
-    res = dict(meta=dict(env_info(), rows=args.rows, L=L, K=K, vocab=V, hidden=D), gather={}, grouped=[])
+    res = dict(env=env(), shape=dict(rows=args.rows, L=L, K=K, vocab=V, hidden=D), gather={}, grouped=[])
     if args.hidden_grad:
         sweep = [{}] + HIDDEN_GRAD_SWEEP[max(1, args.sweep_from):]            # the default always first
         res["hidden_grad"] = hidden_grad_sweep(weight, cand, args.iters, sweep)
-        atomic_write_json(args.out, res)
+        write_results(args.out, res)
         return
 
     def gather():
@@ -140,8 +139,8 @@ def main():
             max_abs_logprob=float((lp.detach()[fin] - lp_ref[fin]).abs().max()),
             rel_dhidden=float((q.grad.float() - dh_ref).norm() / dh_ref.norm()))
         res["grouped"].append(row)
-        atomic_write_json(args.out, res)
-    atomic_write_json(args.out, res)
+        write_results(args.out, res)
+    write_results(args.out, res)
     print(f"\n{'group':>5} {'U':>6} {'dist':>5} {'floor':>6} {'best':>7} {'default':>8} {'gather':>7}  best tuning")
     for r in res["grouped"]:
         ok = [c for c in r["configs"] if "ms" in c]

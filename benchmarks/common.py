@@ -1,5 +1,10 @@
-"""Shared helpers of the kernel benchmarks: environment record, CUDA-graph timing, copy bandwidth."""
+"""Shared helpers of the benchmarks: the `env` block every results file starts with, the results writer,
+CUDA-graph timing and copy bandwidth."""
+import importlib.metadata
+import json
 import os
+import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -7,36 +12,67 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from tfm_runtime.io import atomic_write_text
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VERSIONS = ("torch", "triton", "transformers", "deepspeed", "flash-linear-attention")
 L2_BYTES = 60 * 2**20  # H200; inputs are rotated so one timed pass touches several times this
 
 
-def env_info() -> dict:
-    """Hardware, versions and git revision (`TFM_GIT_REV` when set: a device copy's .git may be stale)."""
+def git_state() -> tuple[str | None, bool | None]:
+    """(revision, dirty) of the working tree. `TFM_GIT_REV` overrides both where a device copy's .git is stale
+    or absent: its revision, dirty when it ends in "-dirty", else not known (None)."""
     rev = os.environ.get("TFM_GIT_REV")
-    if not rev:
-        try:
-            rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                 check=True).stdout.strip()
-            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                                   text=True).stdout.strip()
-            rev += "-dirty" if dirty else ""
-        except (OSError, subprocess.CalledProcessError):
-            rev = "unknown"
-    import triton
+    if rev:
+        return rev.removesuffix("-dirty"), True if rev.endswith("-dirty") else None
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True,
+                                check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None, None
+    return rev, bool(status.strip())
 
-    info = dict(torch=torch.__version__, triton=triton.__version__, git_rev=rev,
-                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(hardware=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda,
-                    gpu_mem_gib=round(p.total_memory / 2**30, 1))
-    else:
-        info.update(hardware="cpu (TRITON_INTERPRET smoke run)")
-    return info
+
+def gpu_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.splitlines()[0].strip() if out.strip() else None
+
+
+def command() -> str:
+    """This process's command line, as `python -m <module> ...` when it runs a module."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    return shlex.join(head + sys.argv[1:])
+
+
+def env() -> dict:
+    """The block every results file starts with: git revision and dirty flag, GPU and driver, package
+    versions, command line and date (UTC)."""
+    rev, dirty = git_state()
+    versions = {}
+    for name in VERSIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    versions.update(cuda=torch.version.cuda, python=platform.python_version())
+    cuda = torch.cuda.is_available()
+    return {"git_revision": rev, "dirty": dirty, "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "driver": gpu_driver() if cuda else None, "versions": versions, "command": command(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def write_results(path: str, results: dict) -> None:
+    """Write a results file atomically, keys in the order given: `env` first, then the rows."""
+    if next(iter(results), None) != "env":
+        raise ValueError(f"a results file starts with its env block, got keys {list(results)[:3]}")
+    atomic_write_text(path, json.dumps(results, indent=1) + "\n")
 
 
 def n_copies(bytes_per_call: int, cap: int = 32) -> int:

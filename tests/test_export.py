@@ -107,9 +107,11 @@ def session(hub, tmp_path_factory):
             json.dump({**cfg, "data": [str(d / data)], "output_dir": str(d / name)}, f)
         configs.append(str(d / f"{name}.json"))
 
-    bench = {"world": "tiny-llama-seed0", "revision": "test", "rows": [
-        {"proposal": "chain", "budget": 8, "temperature": 0.0, "acceptance_length": 1.5, "mean_tree_size": 8.0},
-        {"proposal": "weaver", "budget": 8, "temperature": 0.0, "acceptance_length": 2.25, "mean_tree_size": 9.0}]}
+    bench = {"env": {"git_revision": "test"}, "world": "tiny-llama-seed0", "rows": [
+        {"dataset": "mtbench", "proposal": "chain", "budget": 7, "temperature": 0.0, "verification": "greedy",
+         "acceptance_length": 1.5, "mean_tree_size": 8.0},
+        {"dataset": "mtbench", "proposal": "weaver", "budget": 8, "temperature": 0.0, "verification": "greedy",
+         "acceptance_length": 2.25, "mean_tree_size": 9.0}]}
     with open(d / "bench.json", "w") as f:
         json.dump(bench, f)
     weaver = str(d / "weaver")
@@ -193,7 +195,7 @@ def test_push_then_load_from_the_hub_in_a_fresh_process_equals_the_run(session, 
     assert card["license"] == "apache-2.0" and {"tfm", "weaver", "speculative-decoding"} <= set(card["tags"])
     for text in ("`tiny:llama:0`", 'load_adapter("org/weaver"', "--speculative-algorithm DFLASH_TFM",
                  "hf download org/weaver sglang_dflash_tfm.pt", "| depth | Weaver top-1 | DFlash top-1 |",
-                 "| weaver | 8 | 0.000 | 2.250 | 9.000 |", "![acceptance by depth](acceptance_by_depth.png)"):
+                 "| mtbench | 0.000 | weaver | 8 | greedy | 2.250 | 9.000 |", "![acceptance by depth](acceptance_by_depth.png)"):
         assert text in got["text"], text
     # pickle files are refused by name and never downloaded; neither is the fork's torch file
     assert "org/pickled" in got["pickled"] and "pytorch_model.bin" in got["pickled"], got["pickled"]

@@ -30,7 +30,7 @@ def parse(argv=None):
                     help="final (default) or best (by held-out simulated acceptance)")
     ap.add_argument("--format", choices=FORMATS, default="tfm",
                     help="sglang-dflash-tfm: also write the Weaver in the authors' SGLang fork layout (a torch file)")
-    ap.add_argument("--eval", help="acceptance benchmark results for the card (python -m benchmarks.acceptance --out)")
+    ap.add_argument("--eval", help="acceptance benchmark results for the card (python -m benchmarks.runtime.acceptance --out)")
     ap.add_argument("--target", help="local copy of the target to check against (default: the one in the contract)")
     ap.add_argument("--drafter", help="local copy of the DFlash drafter to check against (default: the contract's)")
     ap.add_argument("--repo-id", help="Hub repository org/name (names the card; needed by --push)")

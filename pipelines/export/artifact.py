@@ -41,7 +41,7 @@ from tfm_runtime.models.common import load_safetensors_dir, read_safetensors_hea
 
 PROVENANCE = "provenance.json"
 EXPORT_FORMAT = 1
-BENCH_FIELDS = ("proposal", "budget", "temperature", "acceptance_length", "mean_tree_size")
+BENCH_FIELDS = ("dataset", "proposal", "budget", "temperature", "verification", "acceptance_length", "mean_tree_size")
 CHECKED = {"weaver": "the run's tensors and contract, the target's config and tokenizer, the drafter's config",
            "dflash": "the run's tensors, the target's config and tokenizer, SGLang's DFlash table"}
 
@@ -197,7 +197,7 @@ def check_provenance(folder: str) -> None:
 
 # ---- helpers -----------------------------------------------------------------------------------------------------
 def read_bench(path: str) -> dict:
-    """Acceptance benchmark results (`python -m benchmarks.acceptance --out`): {"world", "revision", "rows": [...]}."""
+    """Acceptance benchmark results (`python -m benchmarks.runtime.acceptance --out`): {"env", "world", "rows"}."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--eval file {path!r} does not exist")
     with open(path) as f:
@@ -208,7 +208,7 @@ def read_bench(path: str) -> dict:
     rows = bench.get("rows") if isinstance(bench, dict) else None
     if not rows or not all(isinstance(r, dict) and all(k in r for k in BENCH_FIELDS) for r in rows):
         raise ValueError(f"--eval file {path}: expected {{'rows': [...]}} with fields {list(BENCH_FIELDS)} in "
-                         f"every row (benchmarks.acceptance --out writes it)")
+                         f"every row (benchmarks.runtime.acceptance --out writes it)")
     return bench
 
 

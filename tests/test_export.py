@@ -363,6 +363,22 @@ def test_bad_runs_and_contract_mismatches_are_refused_before_anything_is_written
     refused(["--run", session["weaver"], "--out", str(tmp_path / "not_an_artifact")], "is not an export artifact")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["weaver", "dflash"])
+def test_a_bf16_run_exports_in_bf16(session, tmp_path, model):
+    """GPU runs save bf16 tensors: the export's reload keeps them bf16 and compares them bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    from pipelines.export.__main__ import main
+    run = _copy_run(session[model], tmp_path / "bf16")
+    path = os.path.join(run, "final", "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(path).items()}, path)
+    out = str(tmp_path / "out")
+    assert main(["--run", run, "--out", out, "--model", model]) == 0
+    got = load_file(os.path.join(out, "model.safetensors"))
+    assert all(v.dtype == torch.bfloat16 for v in got.values() if v.is_floating_point())
+
+
 def test_help_names_every_option(capsys):
     from pipelines.export.__main__ import main
     with pytest.raises(SystemExit) as e:

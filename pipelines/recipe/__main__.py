@@ -10,7 +10,7 @@ checkpoint), so the recipe survives preemption and machines that only run for a 
 
 At the deadline the running stage gets SIGTERM (train checkpoints at the next step and exits 143) and the recipe
 exits with code 3: run the same command again to continue. `--until NAME` stops after stage NAME; `--only NAME`
-runs just that stage (its earlier stages must be done). Exit codes: 0 all done, 2 bad recipe or a stage failed,
+runs just that stage (its earlier stages must be done). Export stages take the export's options as `args`. Exit codes: 0 all done, 2 bad recipe or a stage failed,
 3 stopped at the deadline.
 """
 from __future__ import annotations
@@ -37,14 +37,17 @@ STOPPED = 3
 class Stage:
     name: str
     kind: str                               # prepare | prompts | collect | train | export
-    config: str | None = None               # collect/train/export: a config file beside the recipe
-    args: dict = field(default_factory=dict)   # prepare: {spec, out, dtype}; prompts: {out, max_chars, limit}
+    config: str | None = None               # collect/train: a config file beside the recipe
+    args: dict = field(default_factory=dict)   # prepare: {spec, out, dtype}; prompts: {out, max_chars, limit};
+                                               # export: its command-line options ({run, out, model, ...})
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"recipe stage {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind in ("collect", "train", "export") and not self.config:
+        if self.kind in ("collect", "train") and not self.config:
             raise ValueError(f"recipe stage {self.name!r} ({self.kind}) needs a config file")
+        if self.kind == "export" and not {"run", "out"} <= set(self.args):
+            raise ValueError(f"recipe stage {self.name!r} (export) needs args with run and out")
 
 
 @dataclass
@@ -85,6 +88,12 @@ def stage_command(stage: Stage, recipe: Recipe, work: str, extra: dict[str, list
             if k in a:
                 cmd += ["--" + k.replace("_", "-"), a[k]]
         return cmd
+    if stage.kind == "export":
+        cmd = py + ["pipelines.export"]
+        for k, v in stage.args.items():
+            flag = "--" + k.replace("_", "-")
+            cmd += [flag] if v is True else [] if v is False else [flag, resolve(str(v), work)]
+        return cmd + extra.get("export", [])
     with open(os.path.join(recipe.folder, stage.config)) as f:
         text = resolve(f.read(), work)
     path = os.path.join(work, "configs", f"{stage.name}{os.path.splitext(stage.config)[1]}")

@@ -1,0 +1,74 @@
+"""The recipe driver: stages in order from configs, done markers, a deadline that stops cleanly, resume, refusals."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = """
+stages:
+  - {name: shards, kind: collect, config: collect.yaml}
+  - {name: weaver, kind: train, config: train.yaml}
+  - {name: artifact, kind: export, args: {run: "{work}/run", out: "{work}/artifact"}}
+"""
+
+
+def _driver(*args):
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "pipelines.recipe", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _write_recipe(folder, steps=300):
+    folder.mkdir()
+    (folder / "recipe.yaml").write_text(RECIPE)
+    with open(os.path.join(ROOT, "configs", "collect_tiny.yaml")) as f:
+        collect = f.read().replace("/tmp/tfm-collect-tiny", "{work}/shards")
+    with open(os.path.join(ROOT, "configs", "train_tiny.yaml")) as f:
+        train = f.read().replace("[/tmp/tfm-collect-tiny]", '["{work}/shards"]').replace("/tmp/tfm-train-tiny",
+                                                                                          "{work}/run")
+    train = train.replace("steps: 60", f"steps: {steps}").replace("checkpoint_every: 30", "checkpoint_every: 10")
+    (folder / "collect.yaml").write_text(collect)
+    (folder / "train.yaml").write_text(train)
+    return str(folder / "recipe.yaml")
+
+
+@pytest.mark.slow
+def test_deadline_stops_cleanly_and_the_same_command_resumes_to_the_end(tmp_path):
+    recipe, work = _write_recipe(tmp_path / "r"), str(tmp_path / "work")
+    r = _driver("--recipe", recipe, "--work", work, "--until", "shards", "--collect-args=--no-ray")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(os.listdir(os.path.join(work, "done"))) == ["shards.json"]
+    r = _driver("--recipe", recipe, "--work", work, "--deadline", "20", "--train-args=--no-progress")
+    assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]                 # stopped in the middle of training
+    assert "stage shards: done before, skipped" in r.stderr
+    assert "run the same command again to continue" in r.stderr
+    assert sorted(os.listdir(os.path.join(work, "done"))) == ["shards.json"]
+    assert os.path.isfile(os.path.join(work, "configs", "weaver.yaml"))              # the resolved config, kept
+    r = _driver("--recipe", recipe, "--work", work, "--train-args=--no-progress")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(os.path.join(work, "run", "summary.json")) as f:
+        assert json.load(f)["resumed_from"] > 0                                     # from the stop's checkpoint
+    assert sorted(os.listdir(os.path.join(work, "done"))) == ["artifact.json", "shards.json", "weaver.json"]
+    assert os.path.isfile(os.path.join(work, "artifact", "model.safetensors"))
+
+
+def test_bad_recipes_are_refused_before_any_stage_runs(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    for text, message in [("stages: [{name: a, kind: bake}]", "kind must be one of"),
+                          ("stages: [{name: a, kind: train}]", "needs a config file"),
+                          ("stages: [{name: a, kind: train, config: nope.yaml}]", "does not exist"),
+                          ("stages: [{name: a, kind: export, args: {run: x}}]", "needs args with run and out"),
+                          ("stages: [{name: a, kind: prompts, args: {out: x}}, {name: a, kind: prompts, "
+                           "args: {out: y}}]", "must be unique"),
+                          ("stagez: []", "unknown keys"),
+                          ("stages: [{name: a, kind: prompts}\n", "not valid YAML")]:
+        bad.write_text(text)
+        r = _driver("--recipe", str(bad), "--work", str(tmp_path / "w"))
+        assert r.returncode == 2 and message in r.stderr, (text, r.stderr[-2000:])
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("stages: [{name: a, kind: prompts, args: {out: x}}]")
+    r = _driver("--recipe", str(ok), "--work", str(tmp_path / "w"), "--until", "b")
+    assert r.returncode == 2 and "--until 'b'" in r.stderr

@@ -51,3 +51,27 @@ def test_oracle_drafter_is_fully_accepted():
     out = dec.generate(prompt, max_new_tokens=30)
     assert out.tokens == greedy[3:33]
     assert out.stats.accept_lengths[:3] == [w.drafter.lookahead + 1] * 3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_greedy_trajectory_walk_equals_the_decoder(family):
+    """The T = 0 shortcut (batched greedy continuations, one teacher-forced pass, lockstep tree walks) gives, for
+    every proposal, the decoder's own tokens and per-step accepted lengths, prompts of different lengths together."""
+    from tfm_runtime.acceptance import greedy_continuations, trajectory, walk
+    from tfm_runtime.engine import SpeculativeDecoder
+    from tfm_runtime.worlds import tiny_world
+    w = tiny_world(family, dtype=torch.float64)
+    prompts, n, L = [[3, 5, 7], [9, 4, 4, 8, 21, 2, 6], [11]], 20, w.drafter.cfg.block_size - 1
+    conts = greedy_continuations(w.target, prompts, n + L, batch=3)
+    for p, c in zip(prompts, conts):
+        want = w.target.model.generate(torch.tensor([p]), max_new_tokens=n + L, do_sample=False, min_new_tokens=0,
+                                       eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert c == want                                                      # padding changes nothing
+    trajs = [trajectory(w.target, w.drafter, p, n, c) for p, c in zip(prompts, conts)]
+    for proposal, budget in [("chain", 7), ("ddtree", 12), ("weaver", 12)]:
+        dec = SpeculativeDecoder(w.target, w.drafter, w.weaver if proposal == "weaver" else None,
+                                 tree_budget=budget, proposal=proposal)
+        for p, traj, (accepted, sizes) in zip(prompts, trajs, walk(dec, trajs, n, eos_token_id=None)):
+            out = dec.generate(p, max_new_tokens=n, temperature=0.0)
+            assert out.tokens == traj.tokens[:n]
+            assert out.stats.accept_lengths == accepted and out.stats.tree_sizes == sizes, proposal

@@ -86,26 +86,39 @@ class Trajectory:
 
 
 @torch.no_grad()
-def greedy_continuation(target, prompt: list[int], n: int) -> list[int]:
-    """The target's own greedy decoding of `n` tokens after `prompt` (KV cache, no EOS stop)."""
-    ids = torch.as_tensor(prompt, device=target.device)[None]
-    cache = target.new_cache()
-    out = target(ids, past_key_values=cache, use_cache=True, logits=False)
-    toks = []
-    for _ in range(n):
-        nxt = int(target.head(out.h_final[0, -1]).argmax())
-        toks.append(nxt)
-        out = target(torch.tensor([[nxt]], device=target.device), past_key_values=cache, use_cache=True,
-                     logits=False)
-    return toks
+def greedy_continuations(target, prompts: list[list[int]], n: int, batch: int = 32) -> list[list[int]]:
+    """The target's own greedy decoding of `n` tokens after each prompt (KV cache, no EOS stop), `batch` prompts
+    at a time, left-padded with an attention mask."""
+    dev, out = target.device, []
+    for lo in range(0, len(prompts), batch):
+        chunk = prompts[lo:lo + batch]
+        B, W = len(chunk), max(len(p) for p in chunk)
+        ids = torch.zeros(B, W, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, W, dtype=torch.long, device=dev)
+        for b, p in enumerate(chunk):
+            ids[b, W - len(p):] = torch.as_tensor(p, device=dev)
+            mask[b, W - len(p):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)                                     # [B, W]
+        cache = target.new_cache()
+        o = target(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits=False)
+        toks = [target.head(o.h_final[:, -1]).argmax(-1)]                           # [B]
+        for _ in range(n - 1):
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+            pos = pos[:, -1:] + 1
+            o = target(toks[-1][:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True, logits=False)
+            toks.append(target.head(o.h_final[:, -1]).argmax(-1))
+        out += torch.stack(toks, dim=1).tolist()
+    return out
 
 
 @torch.no_grad()
-def trajectory(target, drafter, prompt: list[int], n: int, chunk: int = 32) -> Trajectory:
-    """Greedy continuation of n + L tokens and, for each of the first n roots, DFlash's block and the target's
-    hidden state, all from one teacher-forced pass over prompt + continuation."""
+def trajectory(target, drafter, prompt: list[int], n: int, continuation: list[int] | None = None,
+               chunk: int = 32) -> Trajectory:
+    """Greedy continuation of n + L tokens (given, or decoded here) and, for each of the first n roots, DFlash's
+    block and the target's hidden state, all from one teacher-forced pass over prompt + continuation."""
     L = drafter.cfg.block_size - 1
-    y = greedy_continuation(target, prompt, n + L)
+    y = continuation[:n + L] if continuation is not None else greedy_continuations(target, [prompt], n + L)[0]
     P, dev = len(prompt), target.device
     seq = torch.as_tensor(prompt + y, device=dev)
     out = target(seq[None], logits=False)                                   # taps [1, T, n_taps*H]
@@ -133,32 +146,36 @@ def matched_depth(tree, continuation: list[int]) -> int:
     return d
 
 
-def step_trees(decoder, traj: Trajectory, n: int, chunk: int = 64) -> list:
-    """The tree `decoder` builds at T = 0 from every root y_j, j < n (Weaver trees in batches of `chunk` roots)."""
+def build_trees(decoder, trajs: list[Trajectory], roots: list[int]) -> list:
+    """The trees `decoder` builds at T = 0 from root y_j of each trajectory (j = roots[i]); Weaver trees in one
+    lockstep batch."""
     if decoder.proposal != "weaver":
-        return [decoder._tree(traj.tokens[j], traj.draft_logits[j], traj.draft_hidden[j], traj.h_last[j], 0.0,
-                              None)[0] for j in range(n)]
+        return [decoder._tree(t.tokens[j], t.draft_logits[j], t.draft_hidden[j], t.h_last[j], 0.0, None)[0]
+                for t, j in zip(trajs, roots)]
     from tfm_runtime.weaver_tree import build_weaver_trees
-    w, t = decoder.adapter, decoder.target
-    K = min(w.cfg.candidate_pool, traj.draft_logits.shape[-1])
-    trees = []
-    for lo in range(0, n, chunk):
-        hi = min(n, lo + chunk)
-        cand_logits, cand_ids = traj.draft_logits[lo:hi].topk(K, dim=-1)                 # [b, L, K]
-        trees += build_weaver_trees(w, traj.tokens[lo:hi], traj.h_last[lo:hi], traj.draft_hidden[lo:hi], cand_ids,
-                                    cand_logits, decoder.tree_budget, embed_weight=t.embed_weight,
-                                    lm_head_weight=t.lm_head_weight, expand=decoder.expand, width=decoder.width)
-    return trees
+    w, tgt = decoder.adapter, decoder.target
+    K = min(w.cfg.candidate_pool, trajs[0].draft_logits.shape[-1])
+    logits = torch.stack([t.draft_logits[j] for t, j in zip(trajs, roots)])              # [B, L, V]
+    cand_logits, cand_ids = logits.topk(K, dim=-1)
+    return build_weaver_trees(w, [t.tokens[j] for t, j in zip(trajs, roots)],
+                              torch.stack([t.h_last[j] for t, j in zip(trajs, roots)]),
+                              torch.stack([t.draft_hidden[j] for t, j in zip(trajs, roots)]), cand_ids, cand_logits,
+                              decoder.tree_budget, embed_weight=tgt.embed_weight, lm_head_weight=tgt.lm_head_weight,
+                              expand=decoder.expand, width=decoder.width)
 
 
-def walk(decoder, traj: Trajectory, n: int, eos_token_id: int | None) -> tuple[list[int], list[int]]:
-    """The decoder's greedy steps along `traj`: -> (accepted tokens per step, tree sizes), exactly as
-    `SpeculativeDecoder.generate` counts them for `n` new tokens."""
-    trees = step_trees(decoder, traj, n)
-    y, j, accepted, sizes = traj.tokens, 0, [], []
-    while j + 1 < n and y[j] != eos_token_id:
-        m = matched_depth(trees[j], y[j + 1:])
-        accepted.append(m + 1)
-        sizes.append(trees[j].num_nodes)
-        j += m + 1
-    return accepted, sizes
+def walk(decoder, trajs: list[Trajectory], n: int, eos_token_id: int | None) -> list[tuple[list[int], list[int]]]:
+    """The decoder's greedy steps along each trajectory, all trajectories in lockstep (one batched tree build per
+    step): -> per trajectory (accepted tokens per step, tree sizes), exactly as `SpeculativeDecoder.generate`
+    counts them for `n` new tokens."""
+    pos, out = [0] * len(trajs), [([], []) for _ in trajs]
+    while True:
+        live = [i for i, t in enumerate(trajs) if pos[i] + 1 < n and t.tokens[pos[i]] != eos_token_id]
+        if not live:
+            return out
+        trees = build_trees(decoder, [trajs[i] for i in live], [pos[i] for i in live])
+        for i, tree in zip(live, trees):
+            m = matched_depth(tree, trajs[i].tokens[pos[i] + 1:])
+            out[i][0].append(m + 1)
+            out[i][1].append(tree.num_nodes)
+            pos[i] += m + 1

@@ -25,7 +25,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from tfm_runtime.acceptance import trajectory, walk
+from tfm_runtime.acceptance import greedy_continuations, trajectory, walk
 from tfm_runtime.engine import SpeculativeDecoder
 from benchmarks.common import env, write_results
 
@@ -119,25 +119,32 @@ def run(args) -> dict:
         tallies = {c: Tally(L) for c in configs(args, weaver)}
         hit, seen = torch.zeros(L), 0
         agree, compared = 0, 0
-        for i, rec in enumerate(tqdm(records, desc=f"{name} T=0", disable=args.no_progress)):
-            ids = chat_ids(tok, rec)
-            traj = trajectory(target, drafter, ids, args.max_new_tokens)
-            y = torch.tensor(traj.tokens, device=traj.draft_logits.device)
-            top = traj.draft_logits.topk(min(K, traj.draft_logits.shape[-1]), dim=-1).indices      # [n, L, K]
-            truth = torch.stack([y[j + 1:j + 1 + L] for j in range(len(top))])                   # [n, L]
-            hit += (top == truth[..., None]).any(-1).float().sum(0).cpu()
-            seen += len(top)
+        n = args.max_new_tokens
+        bar = tqdm(total=len(records), desc=f"{name} T=0", disable=args.no_progress)
+        for lo in range(0, len(records), args.group):                 # `group` requests walked in lockstep
+            ids = [chat_ids(tok, rec) for rec in records[lo:lo + args.group]]
+            conts = greedy_continuations(target, ids, n + L, batch=args.group)
+            trajs = [trajectory(target, drafter, p, n, c) for p, c in zip(ids, conts)]
+            for traj in trajs:
+                y = torch.tensor(traj.tokens, device=traj.draft_logits.device)
+                top = traj.draft_logits.topk(min(K, traj.draft_logits.shape[-1]), dim=-1).indices  # [n, L, K]
+                truth = torch.stack([y[j + 1:j + 1 + L] for j in range(len(top))])               # [n, L]
+                hit += (top == truth[..., None]).any(-1).float().sum(0).cpu()
+                seen += len(top)
             for (proposal, budget), tally in tallies.items():
-                accepted, sizes = walk(decoder(proposal, budget), traj, args.max_new_tokens, eos)
-                tally.add(accepted, sizes)
-                if i < args.check_prompts:                   # the real decoder on the same request
-                    out = decoder(proposal, budget).generate(ids, max_new_tokens=args.max_new_tokens,
-                                                             temperature=0.0, eos_token_id=eos)
-                    want = traj.tokens[:args.max_new_tokens]
-                    if eos in want:
-                        want = want[:want.index(eos) + 1]
-                    agree += out.tokens == want and out.stats.accept_lengths == accepted
-                    compared += 1
+                walks = walk(decoder(proposal, budget), trajs, n, eos)
+                for k, (accepted, sizes) in enumerate(walks):
+                    tally.add(accepted, sizes)
+                    if lo + k < args.check_prompts:          # the real decoder on the same request
+                        out = decoder(proposal, budget).generate(ids[k], max_new_tokens=n, temperature=0.0,
+                                                                 eos_token_id=eos)
+                        want = trajs[k].tokens[:n]
+                        if eos in want:
+                            want = want[:want.index(eos) + 1]
+                        agree += out.tokens == want and out.stats.accept_lengths == accepted
+                        compared += 1
+            bar.update(len(trajs))
+        bar.close()
         for (proposal, budget), tally in tallies.items():
             rows.append(tally.row(dataset=name, temperature=0.0, proposal=proposal, budget=budget,
                                   verification="greedy", method="trajectory"))
@@ -219,6 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--candidate-pool", type=int, default=512, help="K of the hit rate when there is no Weaver")
     ap.add_argument("--check-prompts", type=int, default=4, help="per dataset, also decoded by SpeculativeDecoder")
     ap.add_argument("--t1-prompts", type=int, default=8, help="per dataset, decoded at T = 1 (0: no T = 1 rows)")
+    ap.add_argument("--group", type=int, help="requests walked in lockstep (default: 16 on CUDA, 2 on the CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], help="default: bf16 on CUDA, fp32 on CPU")
@@ -226,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", help="PNG of acceptance length against tree budget")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    args.group = args.group or (16 if args.device.startswith("cuda") else 2)
     t0 = time.time()
     with torch.no_grad():
         result = run(args)

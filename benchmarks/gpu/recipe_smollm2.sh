@@ -11,7 +11,11 @@
 #   PART=1 bash benchmarks/gpu/recipe_smollm2.sh     # carry .gguf1 .whl: parks part 1, installs the wheels
 #   bash benchmarks/gpu/recipe_smollm2.sh            # carry .gguf2 .carry: runs the recipe for DEADLINE seconds
 #   bash benchmarks/gpu/recipe_smollm2.sh            # (no carry) again until it prints "recipe: done"
-# Each run copies what is finished (drafter, Weaver, metrics, logs) to $OUT; `cat run.tar.xz.* | xz -dc | tar -x`.
+# Each run leaves in $OUT results.tar.xz (logs, manifests, metrics, acceptance results) and the exported artifacts
+# in parts (`cat weaver.tar.xz.* | xz -dc | tar -x`).
+# FROM_ASSETS=1: the committed drafter (assets/smollm2-135m-instruct/dflash-b16) stands for the regenerate, dflash
+# and export_dflash stages, so the recipe goes on with Weaver's shards. ACCEPT=1: once the Weaver is exported, the
+# acceptance benchmark (fp32) runs too, with ACCEPT_ARGS (e.g. "--limit 40 --t1-prompts 2").
 set -u -o pipefail
 OUT=${OUT:-out}
 WORK=/root/work
@@ -36,16 +40,34 @@ if [ ! -f "$WORK/done/prompts.json" ]; then
   echo '{"stage": "prompts", "note": "written on the CPU machine by python -m pipelines.prompts, carried"}' \
     >"$WORK/done/prompts.json"
 fi
+if [ "${FROM_ASSETS:-0}" = 1 ] && [ ! -f "$WORK/done/dflash.json" ]; then
+  mkdir -p "$WORK/dflash" "$WORK/done" && cp -r assets/smollm2-135m-instruct/dflash-b16 "$WORK/dflash/final"
+  for s in regenerate dflash export_dflash; do
+    echo "{\"stage\": \"$s\", \"note\": \"the committed drafter assets/smollm2-135m-instruct/dflash-b16\"}" \
+      >"$WORK/done/$s.json"
+  done
+fi
 timeout $(( ${DEADLINE:-530} + 50 )) python3 -m pipelines.recipe --recipe recipes/smollm2/recipe.yaml --work "$WORK" \
   --deadline "${DEADLINE:-530}" --collect-args="--no-ray --no-progress" --train-args=--no-progress \
   ${UNTIL:+--until $UNTIL} >"$OUT/recipe.stdout" 2>&1
 rc=$?
 grep -E "tfm\.(recipe|train|collect)|Error|error" "$OUT/recipe.stdout" | grep -v "^\s*$" | tail -25 | cut -c1-400
-for run in dflash weaver; do                            # metrics so far, and the model once it is final
-  [ -d "$WORK/$run" ] || continue
-  files=$(cd "$WORK/$run" && ls metrics.jsonl train_config.json summary.json final 2>/dev/null)
-  tar -C "$WORK/$run" -cf - $files | xz -1 | split -b 15M -d - "$OUT/$run.tar.xz."   # files of at most 16 MiB
+B=/tmp/bundle; rm -rf $B; mkdir -p $B                    # $OUT takes at most 8 files: small ones go in one tar
+if [ "${ACCEPT:-0}" = 1 ] && [ -f "$WORK/done/export_weaver.json" ]; then
+  timeout "${ACCEPT_S:-500}" python3 -m benchmarks.runtime.acceptance --world smollm2 --target "$WORK/target" \
+    --adapter "$WORK/artifacts/weaver" --dtype float32 --out $B/acceptance.json --plot $B/acceptance.png \
+    --no-progress ${ACCEPT_ARGS:-} >$B/acceptance.stdout 2>&1; tail -12 $B/acceptance.stdout
+fi
+for run in dflash weaver; do                            # metrics so far (the models travel as artifacts)
+  for f in metrics.jsonl train_config.json summary.json; do
+    [ -f "$WORK/$run/$f" ] && cp "$WORK/$run/$f" "$B/${run}_$f"
+  done
 done
-for d in text anchors; do [ -f "$WORK/$d/manifest.json" ] && cp "$WORK/$d/manifest.json" "$OUT/${d}_manifest.json"; done
+for d in text anchors; do [ -f "$WORK/$d/manifest.json" ] && cp "$WORK/$d/manifest.json" "$B/${d}_manifest.json"; done
+cp "$OUT/recipe.stdout" $B/ && rm "$OUT/recipe.stdout"
+tar -C $B -cf - . | xz -1 >"$OUT/results.tar.xz"
+for a in dflash-b16 weaver; do                          # exported artifacts, in files of at most 16 MiB
+  [ -d "$WORK/artifacts/$a" ] && tar -C "$WORK/artifacts" -cf - "$a" | xz -1 | split -b 15M -d - "$OUT/$a.tar.xz."
+done
 ls "$WORK/done"; ls -la "$OUT"
 [ $rc = 0 ] && echo "recipe: done" || echo "recipe: exit $rc"

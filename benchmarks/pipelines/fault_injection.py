@@ -344,13 +344,13 @@ def stage_argv(stage: str, config: str, out: str) -> list[str]:
 
 
 def kill_plan(stage: str, kills: int, seconds: float, counts: dict, rng: random.Random) -> list[dict]:
-    """Even rows: a random time in [5%, 80%] of the uninterrupted run; odd rows: the writes, kind by kind, each at
+    """Even rows: a random time in [5%, 70%] of the uninterrupted run; odd rows: the writes, kind by kind, each at
     a random one of its calls in the uninterrupted run."""
     kinds = [k for k in WRITES[stage] if counts.get(k)]
     plan = []
     for i in range(kills):
         if i % 2 == 0 or not kinds:
-            plan.append({"at": round(rng.uniform(0.05, 0.8) * seconds, 2)})
+            plan.append({"at": round(rng.uniform(0.05, 0.7) * seconds, 2)})
         else:
             kind = kinds[(i // 2) % len(kinds)]
             plan.append({"write": kind, "index": rng.randint(1, counts[kind])})

@@ -90,7 +90,8 @@ class BadSteps(Exception):
 class MetricsLog:
     """metrics.jsonl + TensorBoard on rank 0. On resume, lines past the resumed step are dropped (they were
     written after the checkpoint by the interrupted run), and so is a torn last line (the run was killed while
-    writing it); TensorBoard purges those steps too."""
+    writing it); TensorBoard purges those steps too. A run that starts at step 0 (no checkpoint) keeps none: it
+    evaluates step 0 again."""
 
     def __init__(self, run_dir: str, resume_step: int, enabled: bool):
         self.enabled, self.path = enabled, os.path.join(run_dir, "metrics.jsonl")
@@ -110,12 +111,12 @@ class MetricsLog:
                     log.warning("%s: dropping its torn last line %d (the run was killed while writing it)",
                                 self.path, n)
                     break
-                if record["step"] <= resume_step:
+                if resume_step and record["step"] <= resume_step:
                     keep.append(ln + "\n")
             atomic_write_text(self.path, "".join(keep))
         try:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step + 1 if resume_step else None)
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step + 1 if resume_step else 0)
         except ImportError:                                  # tensorboard is optional
             log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
 

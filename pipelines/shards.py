@@ -3,19 +3,24 @@
 Tensors are flattened fixed-size lists; their shapes are in the schema metadata ("tfm.shapes"). bf16 tensors are
 stored as their raw 16-bit patterns (uint16), since Arrow has no bfloat16: `decode_bf16` turns them back.
 This module is the one place the columns are defined; collect writes with it and train reads with it.
+The manifest lists each shard's rows, bytes and sha256; both sides check a shard against them (`verify_shard`)
+before trusting it, and train reads only folders whose manifest is marked `complete`.
 """
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import os
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipelines.provenance import file_sha256
 from tfm_runtime.contract import SHARD_SCHEMA_VERSION
 from tfm_runtime.io import atomic_path, atomic_write_json
+
+log = logging.getLogger("tfm.shards")
 
 
 def anchor_columns(L: int, H: int, K: int, k: int, candidates: bool = True) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -89,13 +94,53 @@ def validate(rows: dict[str, np.ndarray], sequences: dict[int, list[int]], vocab
             raise ValueError(f"shard validation: sample {rows['sample_id'][r]} anchor {a}: true tokens misaligned")
 
 
+def validate_text(rows: dict, sequences: dict[int, list[int]], vocab_size: int) -> None:
+    """Refuse a text-only shard whose rows (sample_id, input_ids, prompt_len) are not their samples' token sequences,
+    hold ids outside the vocabulary, or have no response token."""
+    n = len(rows["sample_id"])
+    for name in ("input_ids", "prompt_len"):
+        if len(rows[name]) != n:
+            raise ValueError(f"shard validation: column {name} has {len(rows[name])} rows, expected {n}")
+    for sid, ids, p in zip(rows["sample_id"], rows["input_ids"], rows["prompt_len"]):
+        ids = np.asarray(ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"shard validation: sample {sid}: input_ids outside [0, {vocab_size})")
+        if not 0 <= p < ids.size:
+            raise ValueError(f"shard validation: sample {sid}: no response token (prompt_len {p}, {ids.size} ids)")
+        if ids.tolist() != list(sequences[int(sid)]):
+            raise ValueError(f"shard validation: sample {sid}: input_ids misaligned with its token sequence")
+
+
+# sha256 of the files seen by this process, by (path, size, mtime, inode): each version of a file is read once
+_SHA256: dict[tuple[str, int, int, int], str] = {}
+
+
+def _sha256_of(path: str, st: os.stat_result) -> str:
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _SHA256:
+        _SHA256[key] = file_sha256(path)
+    return _SHA256[key]
+
+
+def verify_shard(path: str, facts: dict) -> None:
+    """Raise ValueError unless the file at `path` is the one the manifest describes (`facts`: bytes, sha256)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ValueError(f"shard {path}: the manifest lists it, but the file is missing") from None
+    if st.st_size != facts["bytes"]:
+        raise ValueError(f"shard {path}: {st.st_size} bytes, the manifest says {facts['bytes']} bytes")
+    digest = _sha256_of(path, st)
+    if digest != facts["sha256"]:
+        raise ValueError(f"shard {path}: sha256 {digest[:16]}..., the manifest says {facts['sha256'][:16]}...")
+
+
 def write_shard(table: pa.Table, path: str) -> dict:
     """Atomic Parquet (zstd) write -> {"rows", "bytes", "sha256"}."""
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    return {"rows": table.num_rows, "bytes": os.path.getsize(path), "sha256": digest}
+    st = os.stat(path)
+    return {"rows": table.num_rows, "bytes": st.st_size, "sha256": _sha256_of(path, st)}
 
 
 def remove_temp_files(folder: str) -> int:
@@ -121,11 +166,13 @@ def read_manifest(folder: str) -> dict:
 
 
 class Manifest:
-    """manifest.json: schema version, contract, config (+hash), provenance, per-shard facts, skipped inputs."""
+    """manifest.json: schema version, contract, config (+hash), provenance, per-shard facts, skipped inputs, the
+    shards this run could not write ({name: error}), and `complete`: true only in the last write of a run that wrote
+    every shard it had to."""
 
     def __init__(self, path: str, header: dict):
         self.path = path
-        self.data = {**header, "shards": {}, "skipped": {}}
+        self.data = {**header, "shards": {}, "skipped": {}, "failed": {}, "complete": False}
         if os.path.isfile(path):
             with open(path) as f:
                 old = json.load(f)
@@ -133,13 +180,31 @@ class Manifest:
                 self.data["shards"] = old.get("shards", {})
 
     def done(self, name: str, samples: list[int]) -> bool:
-        """A shard counts as done when it is listed with the same sample range and its file is intact."""
+        """A shard counts as done when it is listed with the same sample range and its file is intact (size and
+        sha256)."""
         s = self.data["shards"].get(name)
-        p = os.path.join(os.path.dirname(self.path), name)
-        return bool(s) and s["samples"] == samples and os.path.isfile(p) and os.path.getsize(p) == s["bytes"]
+        if not s or s["samples"] != samples:
+            return False
+        try:
+            verify_shard(os.path.join(os.path.dirname(self.path), name), s)
+        except ValueError as e:
+            log.warning("%s; collecting it again", e)
+            return False
+        return True
 
     def add(self, name: str, facts: dict) -> None:
         self.data["shards"][name] = facts
+        self.data["failed"].pop(name, None)
+        self.save()
+
+    def fail(self, name: str, error: str) -> None:
+        self.data["failed"][name] = error
+        self.save()
+
+    def finish(self, written: list[str]) -> None:
+        """The run's last write: `complete` when every shard it had to write (`written`) is listed and none
+        failed."""
+        self.data["complete"] = not self.data["failed"] and all(n in self.data["shards"] for n in written)
         self.save()
 
     def save(self) -> None:

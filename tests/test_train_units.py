@@ -184,13 +184,9 @@ def test_shard_data_refuses_missing_and_wrong_mode_folders(tmp_path):
     assert not os.path.exists(tmp_path / "c") or not os.listdir(tmp_path / "c")
 
 
-def test_non_finite_loss_or_gradient_norm_stops_the_run():
-    from pipelines.train.loop import check_finite
-    check_finite(3, 1.25, 0.5)
-    check_finite(3, 1.25, None)                                      # no clipping: no norm
-    for loss, gn in ((float("nan"), 1.0), (1.0, float("inf")), (float("-inf"), None)):
-        with pytest.raises(FloatingPointError, match="step 3"):
-            check_finite(3, loss, gn)
+def test_deepspeed_leaves_the_overflow_check_and_timing_to_the_trainer():
+    """Non-finite steps are the optimizer's to skip (tests/test_train_integrity.py); DeepSpeed's own per-parameter
+    scan and its throughput timer (which syncs the device twice a step) are off."""
     ds = TrainConfig.from_dict({"data": ["x"], "output_dir": "y"}).deepspeed_config(world_size=1, bf16=True)
     assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
     from deepspeed.utils.config import get_timers_config        # the throughput timer syncs the device twice a step
@@ -221,7 +217,7 @@ def test_clipped_adamw_matches_clip_grad_norm_then_adamw():
     assert owns_clipping(1) and owns_clipping(2) and not any(owns_clipping(s) for s in (0, 3))
     assert isinstance(make_optimizer(a, lr=1e-3, weight_decay=0.0, grad_clip=1.0, zero_stage=2,
                                      device=torch.device("cpu")), ClippedAdamW)
-    for stage in (0, 1, 2, 3):  # DeepSpeed clips (and computes the norm) only where the optimizer does not
+    for stage in (0, 1, 2):  # DeepSpeed clips (and computes the norm) only where the optimizer does not
         ds = TrainConfig.from_dict({"data": ["x"], "output_dir": "y", "zero_stage": stage}).deepspeed_config(1, True)
         assert (ds["gradient_clipping"] == 0.0) == (stage in (1, 2))
         assert ds["zero_optimization"].get("compute_grad_norm", True) == (stage not in (1, 2))

@@ -2,7 +2,9 @@
 
 Rolls out the target on prompts and writes validated Arrow/Parquet shards + manifest.json (the shard format: pipelines/shards.py).
 On a cluster:  ray job submit --working-dir . -- python -m pipelines.collect --config collect.yaml
-Without one, a local Ray starts. Re-running with the same config resumes: finished shards are skipped.
+Without one, a local Ray starts. Re-running with the same config resumes: finished shards (intact by sha256) are
+skipped. Exit codes: 0 done (the manifest is marked complete), 2 bad config or input (nothing was collected),
+3 some shards failed after their retries (the summary names them; running again retries only those).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def run(cfg: CollectConfig, progress: bool = True, use_ray: bool = True) -> dict
     tok = load_tokenizer(cfg.target)
     samples, skipped = tokenize(records, tok, prompt_field=cfg.prompt_field, response=cfg.response,
                                 max_prompt_tokens=cfg.max_prompt_tokens, limit=cfg.limit,
-                                prompt_turn=cfg.prompt_turn)
+                                prompt_turn=cfg.prompt_turn, max_response_tokens=cfg.max_response_tokens)
     data_hash = cfg.data_hash() + "-" + fingerprint(files)[:6]
     os.makedirs(cfg.output_dir, exist_ok=True)
     stale = remove_temp_files(cfg.output_dir)               # left by a killed run (atomic writes never finished)
@@ -70,13 +72,23 @@ def run(cfg: CollectConfig, progress: bool = True, use_ray: bool = True) -> dict
     atomic_write_json(os.path.join(cfg.output_dir, "collect_config.json"), {**cfg.to_dict(), "hash": data_hash})
     log.info("%d usable samples (%d skipped: %s); %d shards to write, %d already done", len(samples),
              sum(skipped.values()), dict(skipped), len(work), done)
+    returned = set()
+
+    def record(row: dict) -> None:
+        returned.add(row["name"])
+        if row["error"]:
+            log.error("%s failed: %s", row["name"], row["error"])
+            manifest.fail(row["name"], row["error"])
+        else:
+            manifest.add(row["name"], json.loads(row["facts"]))
+
     if work and not use_ray:
         from tqdm.auto import tqdm
 
         from pipelines.collect.job import iter_inline
         for row in tqdm(iter_inline(cfg, contract.to_dict(), work), total=len(work), desc="shards", unit="shard",
                         disable=not progress):
-            manifest.add(row["name"], json.loads(row["facts"]))
+            record(row)
     elif work:
         import ray
         from tqdm.auto import tqdm
@@ -89,11 +101,17 @@ def run(cfg: CollectConfig, progress: bool = True, use_ray: bool = True) -> dict
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False                     # our own bar counts shards
         ctx.print_on_execution_start = False
+        ctx.max_errored_blocks = -1                          # a shard that fails after Ray's retries: the rest go on
         ds = build_dataset(cfg, contract.to_dict(), work)
         with tqdm(total=len(work), desc="shards", unit="shard", disable=not progress) as bar:
             for row in ds.iter_rows():
-                manifest.add(row["name"], json.loads(row["facts"]))
+                record(row)
                 bar.update(1)
+    for item in work:
+        if item["name"] not in returned:                     # its Ray task failed on every retry
+            manifest.fail(item["name"], f"no result after {1 + cfg.shard_retries} attempts: its Ray actor died "
+                                        f"(out of memory or a crash: see the Ray logs)")
+    manifest.finish([item["name"] for item in work])
     return summarize(manifest, time.perf_counter() - t_start)
 
 
@@ -120,7 +138,8 @@ def summarize(manifest: Manifest, seconds: float) -> dict:
             "bytes_per_row": size / max(1, rows), "bytes_per_response_token": size / max(1, toks),
             "response_tokens": toks, "sequence_tokens": seq_toks, "rollout_tokens_per_s": toks / roll if roll else None,
             "rows_per_s_featurize": rows / feat if feat else None, "wall_seconds": round(seconds, 2),
-            "skipped": manifest.data["skipped"]}
+            "skipped": manifest.data["skipped"], "failed": manifest.data["failed"],
+            "complete": manifest.data["complete"]}
 
 
 def main(argv=None) -> int:
@@ -142,6 +161,10 @@ def main(argv=None) -> int:
         log.error("%s", e)
         return 2
     print(json.dumps(summary, indent=2))
+    if summary["failed"]:
+        log.error("%d shards failed: %s; the others are done. Run the same command again to retry the failed ones",
+                  len(summary["failed"]), ", ".join(sorted(summary["failed"])))
+        return 3
     return 0
 
 

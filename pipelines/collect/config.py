@@ -27,6 +27,7 @@ class CollectConfig:
     temperature: float = 0.0
     max_new_tokens: int = 256
     max_prompt_tokens: int = 2048         # longer prompts are skipped and counted
+    max_response_tokens: int = 4096       # response: keep: longer responses are skipped and counted
     anchors_per_sequence: int = 16
     candidate_pool: int = 512             # K: DFlash top-K per depth
     target_topk: int = 32                 # k: target distribution kept per depth
@@ -39,6 +40,8 @@ class CollectConfig:
     gpus_per_actor: float = 0.0
     rollout_batch_size: int = 32
     device: str = "auto"                  # auto | cpu | cuda
+    shard_retries: int = 2                # a shard whose stage fails is tried again this often, then recorded as
+                                          # failed (the next run retries it); an actor that dies is restarted
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -54,6 +57,8 @@ class CollectConfig:
                   ("temperature", self.temperature >= 0, ">= 0"),
                   ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
                   ("max_prompt_tokens", self.max_prompt_tokens >= 1, ">= 1"),
+                  ("max_response_tokens", self.max_response_tokens >= 1, ">= 1"),
+                  ("shard_retries", self.shard_retries >= 0, ">= 0"),
                   ("anchors_per_sequence", self.anchors_per_sequence >= 1, ">= 1"),
                   ("candidate_pool", self.candidate_pool >= 1, ">= 1"),
                   ("target_topk", self.target_topk >= 1, ">= 1"),
@@ -77,10 +82,12 @@ class CollectConfig:
         return dataclasses.asdict(self)
 
     def data_hash(self) -> str:
-        """Hash of every setting that changes the rows (not parallelism or batch sizes): shards written under
-        another hash are not reused on resume."""
+        """Hash of every setting that changes the rows (not parallelism, batch sizes or retries): shards written
+        under another hash are not reused on resume."""
         d = self.to_dict()
-        for k in ("num_actors", "gpus_per_actor", "device", "output_dir", "limit"):
+        for k in ("num_actors", "gpus_per_actor", "device", "output_dir", "limit", "shard_retries"):
             d.pop(k)
+        if self.response == "regenerate":
+            d.pop("max_response_tokens")                     # max_new_tokens bounds regenerated responses
         d["rollout_engine"] = ROLLOUT_ENGINE
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]

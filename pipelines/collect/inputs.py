@@ -106,11 +106,12 @@ def _ids(out) -> list[int]:
 
 
 def tokenize(records: list[dict], tokenizer, *, prompt_field: str, response: str, max_prompt_tokens: int,
-             limit: int | None = None, prompt_turn: str = "first") -> tuple[list[Sample], Counter]:
+             limit: int | None = None, prompt_turn: str = "first",
+             max_response_tokens: int | None = None) -> tuple[list[Sample], Counter]:
     """-> usable samples and skip counts by reason. The loss region starts at the render boundary: the prompt is
     the chat template up to the assistant turn (with the generation prompt), the response is what follows.
     `prompt_turn` picks the user turn that ends the prompt: the first, or the last (a multi-turn context whose
-    final user turn is answered)."""
+    final user turn is answered). Kept responses over `max_response_tokens` are skipped."""
     samples, skipped = [], Counter()
     for sid, rec in enumerate(records[:limit] if limit else records):
         msgs = to_messages(rec, prompt_field)
@@ -140,5 +141,8 @@ def tokenize(records: list[dict], tokenizer, *, prompt_field: str, response: str
                 skipped["template_mismatch"] += 1
                 continue
             resp = full[len(prompt):]
+            if max_response_tokens is not None and len(resp) > max_response_tokens:
+                skipped["response_too_long"] += 1
+                continue
         samples.append(Sample(sid, prompt, resp))
     return samples, skipped

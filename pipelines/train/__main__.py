@@ -7,6 +7,8 @@
 The run folder (output_dir) gets train_config.json, metrics.jsonl, tb/, checkpoints/, best/, final/ and
 summary.json. Running the same command again resumes from the last checkpoint. SIGTERM or SIGUSR1 (a
 preempting scheduler) makes every rank checkpoint at the next step boundary and exit with code 143.
+Exit code 2: bad config or data (refused before training), or `max_bad_steps` non-finite steps in a row (the
+message names the step and its rows; the last checkpoint is kept).
 """
 from __future__ import annotations
 
@@ -41,9 +43,9 @@ def main(argv=None) -> int:
             cfg.data = args.data
         if args.model:
             cfg.model = args.model
-        from pipelines.train.loop import Stopped, train
+        from pipelines.train.loop import BadSteps, Stopped, train
         summary = train(cfg, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, BadSteps) as e:
         log.error("%s", e)
         return 2
     except Stopped as e:                                   # SIGTERM / SIGUSR1: preempted, checkpoint written

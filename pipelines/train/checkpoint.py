@@ -1,7 +1,8 @@
 """Step-exact checkpoints of a DeepSpeed run: DeepSpeed's own files (weights, optimizer, scheduler) under
-checkpoints/step-XXXXXXXX/, each rank's RNG state beside them (safetensors), and checkpoints/latest.json written
-last (atomically), so a checkpoint counts only once every rank has finished writing it. The last `keep_last` and
-the best one (by simulated acceptance) are kept.
+checkpoints/step-XXXXXXXX/, each rank's RNG state beside them (safetensors), then, once every rank has finished
+writing, step-XXXXXXXX/complete.json and checkpoints/latest.json (atomically, in that order): a checkpoint counts
+only with its complete.json. The last `keep_last` complete ones and the best one (by simulated acceptance) are
+kept; folders an interrupted save left (no complete.json, or a step past the one latest.json names) are removed.
 
 The data position needs no saving: the batch order is a pure function of (seed, step) (see data.BatchOrder).
 """
@@ -18,10 +19,19 @@ from safetensors.torch import load_file, save_file
 from tfm_runtime.io import atomic_write_json
 
 LATEST = "latest.json"
+COMPLETE = "complete.json"
 
 
 def tag(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def _steps(folder: str) -> list[int]:
+    return sorted(int(d[5:]) for d in os.listdir(folder) if d.startswith("step-") and d[5:].isdigit())
+
+
+def _complete(folder: str, step: int) -> bool:
+    return os.path.isfile(os.path.join(folder, tag(step), COMPLETE))
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -42,13 +52,30 @@ def save(engine, folder: str, step: int, client_state: dict, *, keep_last: int, 
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        atomic_write_json(os.path.join(folder, tag(step), COMPLETE), {"step": step, "world_size": world})
         atomic_write_json(os.path.join(folder, LATEST), {"tag": tag(step), "step": step})
-        steps = sorted(int(d[5:]) for d in os.listdir(folder) if d.startswith("step-") and d[5:].isdigit())
-        for s in steps[:-keep_last]:
+        _remove_stale(folder, step)
+        for s in _steps(folder)[:-keep_last]:                      # complete checkpoints only, after _remove_stale
             if s not in keep:
                 shutil.rmtree(os.path.join(folder, tag(s)), ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _remove_stale(folder: str, current: int) -> None:
+    """Remove the checkpoint folders an interrupted run left: those without complete.json, and those past
+    `current` (the step latest.json names), which a run killed between the two writes leaves complete."""
+    for s in _steps(folder):
+        if s != current and (s > current or not _complete(folder, s)):
+            shutil.rmtree(os.path.join(folder, tag(s)), ignore_errors=True)
+
+
+def discard_incomplete(folder: str) -> None:
+    """What an interrupted run left goes before a resume (rank 0 calls this)."""
+    if os.path.isdir(folder):
+        info = latest(folder)
+        _remove_stale(folder, info["step"] if info else -1)
 
 
 def latest(folder: str) -> dict | None:

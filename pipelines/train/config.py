@@ -19,6 +19,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 class TrainConfig:
     data: list[str]                       # collect output folders (anchor shards; text-only shards for dflash)
     output_dir: str                       # the run folder: config, metrics, checkpoints, final/ and best/ models
+    allow_incomplete_data: bool = False   # train on folders whose manifest is not marked complete (collect still
+                                          # running, interrupted, or with failed shards): on the shards they list
     model: str = "weaver"                 # weaver | dflash
     target: ModelSpec | None = None       # default: the target named by the shards' contract
     # ---- Weaver size (d_model, d_embed, lookahead and candidate pool come from the shards' contract)
@@ -46,7 +48,9 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    zero_stage: int = 2
+    max_bad_steps: int = 5                # steps with a non-finite loss or gradient norm are skipped; this many in
+                                          # a row stop the run (exit code 2, the last checkpoint kept)
+    zero_stage: int = 2                   # 0, 1 or 2 (3 is refused: evaluation and saving need the whole model)
     precision: str = "auto"               # auto: bf16 on GPU, fp32 on CPU
     compile: str = "auto"                 # torch.compile the objective's forward: auto (Weaver on GPU) | on | off
     score_group_rows: int = 4             # GPU Weaver: score groups of N rows over their distinct LM-head rows
@@ -74,7 +78,10 @@ class TrainConfig:
                   ("data", len(self.data) >= 1, "at least one collect output folder"),
                   ("steps", self.steps >= 1, ">= 1"), ("micro_batch", self.micro_batch >= 1, ">= 1"),
                   ("grad_accum", self.grad_accum >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
-                  ("zero_stage", self.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
+                  ("zero_stage", self.zero_stage in (0, 1, 2), "0, 1 or 2 (ZeRO stage 3 partitions the weights "
+                   "across ranks, and evaluation and saving run on rank 0 with the whole model; the models trained "
+                   "here fit on one device, and stage 2 already partitions the gradients and optimizer state)"),
+                  ("max_bad_steps", self.max_bad_steps >= 1, ">= 1"),
                   ("heldout_fraction", 0 < self.heldout_fraction < 1, "in (0, 1)"),
                   ("eval_every", self.eval_every >= 1, ">= 1"), ("checkpoint_every", self.checkpoint_every >= 1, ">= 1"),
                   ("keep_last", self.keep_last >= 1, ">= 1"), ("block_size", self.block_size >= 2, ">= 2"),
@@ -98,12 +105,18 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def run_hash(self) -> str:
-        """Hash of every setting that changes the trajectory: a run folder only resumes under the same hash."""
+    def trajectory_settings(self) -> dict:
+        """The settings that change the trajectory (not evaluation, checkpointing, logging, paths or speed)."""
         d = self.to_dict()
         for k in ("output_dir", "eval_every", "eval_rows", "eval_budgets", "checkpoint_every", "keep_last",
-                  "log_every", "device", "compile", "score_group_rows"):
+                  "log_every", "device", "compile", "score_group_rows", "allow_incomplete_data", "max_bad_steps"):
             d.pop(k)
+        return d
+
+    def run_hash(self, data_fingerprint: str = "") -> str:
+        """Hash of the trajectory settings and the data (`data_fingerprint`: the shards' sha256, see
+        data.data_fingerprint): a run folder only resumes under the same hash."""
+        d = {**self.trajectory_settings(), "data_fingerprint": data_fingerprint}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def deepspeed_config(self, world_size: int, bf16: bool) -> dict:

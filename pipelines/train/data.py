@@ -1,8 +1,14 @@
 """Training data: collect's shards through `datasets` (one memory-mapped Arrow table), a held-out split by sequence,
 and a deterministic, distributed batch order that is a pure function of (seed, step): the data position of a
-resumed run is its step, nothing else."""
+resumed run is its step, nothing else.
+
+Only complete collect outputs are read (unless allowed), every shard is checked against its manifest's size and
+sha256 before use, and the data's fingerprint (the shards' hashes) is part of the run hash: a resume on other
+data is refused.
+"""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -11,8 +17,26 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipelines.shards import decode_bf16, read_manifest
+from pipelines.shards import decode_bf16, read_manifest, verify_shard
 from tfm_runtime.contract import SHARD_SCHEMA_VERSION, Contract, check_compatible
+
+
+def data_fingerprint(folders: list[str]) -> tuple[str, dict[str, dict[str, str]]]:
+    """-> (fingerprint, {folder: {shard name: sha256}}) of the shards the folders' manifests list."""
+    shards = {f: {name: facts["sha256"] for name, facts in sorted(read_manifest(f)["shards"].items())}
+              for f in folders}
+    digest = hashlib.sha256(json.dumps([sorted(s.items()) for s in shards.values()]).encode()).hexdigest()[:16]
+    return digest, shards
+
+
+def check_complete(folder: str, manifest: dict) -> None:
+    """Refuse a collect output whose manifest is not marked complete (collect writes the mark last)."""
+    if manifest.get("complete") is not True:
+        failed = manifest.get("failed") or {}
+        why = f"failed shards: {failed}" if failed else "collect is still running or was interrupted"
+        raise ValueError(f"{os.path.join(folder, 'manifest.json')} is not marked complete ({why}): run collect "
+                         f"again with the same config to finish it, or set allow_incomplete_data: true to train on "
+                         f"the {len(manifest.get('shards') or {})} shards it lists")
 
 
 class ShardData:
@@ -20,9 +44,12 @@ class ShardData:
 
     `mode` is "anchors" (one row per anchor: Weaver) or "text_only" (one row per sequence: DFlash).
     Rows of a held-out sequence (by (folder, sample_id), `heldout_fraction` of them) are never trained on.
+    Folders whose manifest is not marked complete are refused unless `allow_incomplete`; with `verify`, every
+    shard is checked against its manifest (size and sha256) first.
     """
 
-    def __init__(self, folders: list[str], *, mode: str, heldout_fraction: float, cache_dir: str):
+    def __init__(self, folders: list[str], *, mode: str, heldout_fraction: float, cache_dir: str,
+                 allow_incomplete: bool = False, verify: bool = True):
         import datasets
         manifests = [read_manifest(f) for f in folders]
         first = manifests[0]
@@ -47,7 +74,14 @@ class ShardData:
                 source.append(np.full(m["shards"][name]["rows"], i, dtype=np.int64))
         if not files:
             raise ValueError(f"no shards listed in the manifests of {folders}")
+        for folder, m in zip(folders, manifests):
+            if not allow_incomplete:
+                check_complete(folder, m)
+            if verify:
+                for name, facts in m["shards"].items():
+                    verify_shard(os.path.join(folder, name), facts)
         self.mode, self.files = mode, files
+        self.file_starts = np.cumsum([0] + [len(x) for x in source])       # table row where each file begins
         meta = pq.read_schema(files[0]).metadata or {}
         self.shapes = {k: (dt, tuple(s)) for k, (dt, s) in json.loads(meta.get(b"tfm.shapes", b"{}")).items()}
         ds = datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=cache_dir)
@@ -62,6 +96,14 @@ class ShardData:
         if len(self.train_index) == 0 or len(self.heldout_index) == 0:
             raise ValueError(f"{self.table.num_rows} rows split into {len(self.train_index)} training and "
                              f"{len(self.heldout_index)} held-out rows: collect more data or change heldout_fraction")
+
+    def locate(self, index: np.ndarray) -> dict[str, list[int]]:
+        """Table rows -> {shard file: its row numbers}, to name rows in messages."""
+        out: dict[str, list[int]] = {}
+        for r in sorted(int(i) for i in index):
+            f = int(np.searchsorted(self.file_starts, r, side="right")) - 1
+            out.setdefault(self.files[f], []).append(r - int(self.file_starts[f]))
+        return out
 
     def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
         """Rows by table index -> column -> array [n, *shape] (bf16 columns as float32; text ids as lists)."""
@@ -104,9 +146,11 @@ class BatchOrder:
 
 
 def open_run_data(cfg, mode: str) -> tuple[ShardData, np.ndarray]:
-    """A run's shards and the fixed held-out rows it evaluates on (`cfg.eval_rows` of them, chosen by the seed)."""
+    """A run's shards and the fixed held-out rows it evaluates on (`cfg.eval_rows` of them, chosen by the seed).
+    The first process of each machine (LOCAL_RANK 0, which builds the data first) verifies the shards."""
     data = ShardData(cfg.data, mode=mode, heldout_fraction=cfg.heldout_fraction,
-                     cache_dir=os.path.join(cfg.output_dir, "hf_cache"))
+                     cache_dir=os.path.join(cfg.output_dir, "hf_cache"), allow_incomplete=cfg.allow_incomplete_data,
+                     verify=os.environ.get("LOCAL_RANK", "0") == "0")
     held = data.heldout_index
     pick = torch.randperm(len(held), generator=torch.Generator().manual_seed(cfg.seed)).numpy()[:cfg.eval_rows]
     return data, np.sort(held[pick])

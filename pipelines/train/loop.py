@@ -1,8 +1,12 @@
 """The DeepSpeed training loop shared by Weaver and DFlash training.
 
-Run folder: train_config.json (resolved config, run hash, provenance), metrics.jsonl (one line per logged
-step and per evaluation), tb/ (TensorBoard), checkpoints/ (step-exact resume), best/ and final/ (safetensors
-models), summary.json. Re-running with the same config resumes from checkpoints/latest.json.
+Run folder: train_config.json (resolved config, run hash, the data's shard hashes, provenance), metrics.jsonl (one
+line per logged step, per skipped step and per evaluation), tb/ (TensorBoard), checkpoints/ (step-exact resume),
+best/ and final/ (safetensors models), summary.json. Re-running with the same config on the same data resumes from
+checkpoints/latest.json.
+
+A step whose loss or gradient norm is not finite is skipped by the optimizer before it touches the weights
+(pipelines/train/optim.py) and counted; `max_bad_steps` of them in a row stop the run (BadSteps).
 """
 from __future__ import annotations
 
@@ -14,14 +18,15 @@ import signal
 import socket
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from pipelines.provenance import provenance
 from pipelines.train import checkpoint
 from pipelines.train.config import TrainConfig
-from pipelines.train.data import BatchOrder
-from pipelines.train.optim import ClippedAdamW, make_optimizer
+from pipelines.train.data import BatchOrder, data_fingerprint
+from pipelines.train.optim import make_optimizer, owns_clipping
 from tfm_runtime.io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger("tfm.train")
@@ -78,9 +83,15 @@ class Stopped(Exception):
         self.step = step
 
 
+class BadSteps(Exception):
+    """`max_bad_steps` steps in a row had a non-finite loss or gradient norm (each one skipped)."""
+
+
 class MetricsLog:
     """metrics.jsonl + TensorBoard on rank 0. On resume, lines past the resumed step are dropped (they were
-    written after the checkpoint by the interrupted run) and TensorBoard purges them too."""
+    written after the checkpoint by the interrupted run), and so is a torn last line (the run was killed while
+    writing it); TensorBoard purges those steps too. A run that starts at step 0 (no checkpoint) keeps none: it
+    evaluates step 0 again."""
 
     def __init__(self, run_dir: str, resume_step: int, enabled: bool):
         self.enabled, self.path = enabled, os.path.join(run_dir, "metrics.jsonl")
@@ -89,11 +100,23 @@ class MetricsLog:
             return
         if os.path.isfile(self.path):
             with open(self.path) as f:
-                keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= resume_step]
+                lines = [(n, ln) for n, ln in enumerate(f.read().splitlines(), 1) if ln.strip()]
+            keep = []
+            for n, ln in lines:
+                try:
+                    record = json.loads(ln)
+                except ValueError:
+                    if n != lines[-1][0]:
+                        raise ValueError(f"{self.path} line {n} is not valid JSON: {ln[:80]!r}") from None
+                    log.warning("%s: dropping its torn last line %d (the run was killed while writing it)",
+                                self.path, n)
+                    break
+                if resume_step and record["step"] <= resume_step:
+                    keep.append(ln + "\n")
             atomic_write_text(self.path, "".join(keep))
         try:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step + 1 if resume_step else None)
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step + 1 if resume_step else 0)
         except ImportError:                                  # tensorboard is optional
             log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
 
@@ -113,15 +136,52 @@ class MetricsLog:
             self.tb.close()
 
 
-def _check_run_dir(cfg: TrainConfig) -> None:
-    """A run folder resumes only a run of the same config (same trajectory)."""
+def remove_temp_files(run_dir: str) -> int:
+    """Delete the temp files of atomic writes (train_config.json, metrics.jsonl, summary.json, latest.json, the
+    best/ and final/ files) that a killed run left in `run_dir` -> count. (Temp files inside a checkpoint folder go
+    with the folder: checkpoint.discard_incomplete.)"""
+    import glob
+    stale = [p for sub in ("", "checkpoints", "best", "final")
+             for p in glob.glob(os.path.join(glob.escape(os.path.join(run_dir, sub)), ".*.tmp"))]
+    for p in stale:
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+    return len(stale)
+
+
+def run_record(cfg: TrainConfig, fingerprint: str, shards: dict) -> dict:
+    """train_config.json: the resolved config, the run hash and the data it covers (shard hashes), provenance."""
+    return {**cfg.to_dict(), "run_hash": cfg.run_hash(fingerprint), "data_fingerprint": fingerprint,
+            "data_shards": shards, "provenance": provenance()}
+
+
+def check_run_dir(cfg: TrainConfig, fingerprint: str, shards: dict) -> None:
+    """A run folder resumes only a run of the same trajectory settings on the same shards; a refusal names what
+    changed (`fingerprint`, `shards`: data.data_fingerprint of cfg.data)."""
     path = os.path.join(cfg.output_dir, "train_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            old = json.load(f)
-        if old.get("run_hash") != cfg.run_hash():
-            raise ValueError(f"{cfg.output_dir} holds a run with another config (hash {old.get('run_hash')}, "
-                             f"this one {cfg.run_hash()}): choose a new output_dir to start a new run")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    new_hash = cfg.run_hash(fingerprint)
+    if old.get("run_hash") == new_hash:
+        return
+    changes = [f"{k} {old[k]!r} -> {v!r}" for k, v in cfg.trajectory_settings().items() if k in old and old[k] != v]
+    if "data_shards" not in old:
+        changes.append("the run's data is not recorded")
+    else:
+        for folder in sorted(set(old["data_shards"]) | set(shards)):
+            a, b = old["data_shards"].get(folder, {}), shards.get(folder, {})
+            diff = [f"{n} added" for n in sorted(set(b) - set(a))] + \
+                   [f"{n} removed" for n in sorted(set(a) - set(b))] + \
+                   [f"{n} changed" for n in sorted(set(a) & set(b)) if a[n] != b[n]]
+            if diff:
+                changes.append(f"data {folder}: {', '.join(diff)}")
+    raise ValueError(f"{cfg.output_dir} holds a run with another config (hash {old.get('run_hash')}, this one "
+                     f"{new_hash}): {'; '.join(changes) or 'settings of an older version'}; choose a new output_dir "
+                     f"to start a new run")
 
 
 def build_task(cfg: TrainConfig, device, dtype):
@@ -137,14 +197,6 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     return Trainer(cfg).run(progress)
 
 
-def check_finite(step: int, loss: float, grad_norm: float | None) -> None:
-    """Stop on a non-finite loss or gradient norm (DeepSpeed's own per-parameter scan is off under bf16): the
-    step has been applied, so the run ends here and a resume starts from the last checkpoint."""
-    if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
-        raise FloatingPointError(f"step {step}: loss {loss}, gradient norm {grad_norm}; stopping (the last "
-                                 f"checkpoint is kept)")
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         import deepspeed
@@ -156,7 +208,9 @@ class Trainer:
             torch.cuda.set_device(self.device)
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and want_cuda)
         dtype = torch.bfloat16 if bf16 else torch.float32
-        _check_run_dir(cfg)
+        self.data_fingerprint, data_shards = data_fingerprint(cfg.data)
+        self.run_hash = cfg.run_hash(self.data_fingerprint)
+        check_run_dir(cfg, self.data_fingerprint, data_shards)
         # rank 0 builds the datasets cache first; the others then read it
         task = build_task(cfg, self.device, dtype) if self.rank == 0 else None
         self.barrier()
@@ -166,7 +220,7 @@ class Trainer:
         if self.rank == 0:                                       # data and models are fine: the run starts here
             os.makedirs(cfg.output_dir, exist_ok=True)
             atomic_write_json(os.path.join(cfg.output_dir, "train_config.json"),
-                              {**cfg.to_dict(), "run_hash": cfg.run_hash(), "provenance": provenance()})
+                              run_record(cfg, self.data_fingerprint, data_shards))
         if cfg.compile == "on" or (cfg.compile == "auto" and want_cuda and cfg.model == "weaver"):
             # fuses the elementwise tail of the step
             self.task.objective.forward = torch.compile(self.task.objective.forward)
@@ -182,14 +236,20 @@ class Trainer:
                                                     dist_init_required=False)
         self.ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
         self.start, self.best = 0, {"score": -math.inf, "step": None}
+        self.skipped_steps, self.bad_in_a_row = 0, 0             # non-finite steps: in all, and the current run
+        if self.rank == 0:                                       # what a killed run left
+            remove_temp_files(cfg.output_dir)
+            checkpoint.discard_incomplete(self.ckpt_dir)
+        self.barrier()
         info = checkpoint.latest(self.ckpt_dir)
         if info:
             client = checkpoint.load(self.engine, self.ckpt_dir, info)
             self.start, self.best = int(client["step"]), client["best"]
+            self.skipped_steps, self.bad_in_a_row = client["skips"]["total"], client["skips"]["in_a_row"]
             if self.rank == 0:
                 log.info("resumed from %s (step %d of %d)", info["tag"], self.start, cfg.steps)
         self.metrics = MetricsLog(cfg.output_dir, self.start, self.rank == 0)
-        self._pending = None                     # (done, [loss sum, stop requests], grad norm) not yet read back
+        self._pending = None             # (done, [loss sum, stop requests], grad norm, skipped) not yet read back
 
     def barrier(self) -> None:
         if dist.is_initialized():
@@ -220,7 +280,8 @@ class Trainer:
             self.metrics.close()
         seconds = time.perf_counter() - t_run
         summary = {"steps": cfg.steps, "resumed_from": self.start, "best": self.best, "world_size": self.world,
-                   "items_per_s": items / seconds if items else None, "seconds": round(seconds, 2)}
+                   "skipped_steps": self.skipped_steps, "items_per_s": items / seconds if items else None,
+                   "seconds": round(seconds, 2)}
         if self.rank == 0:
             self.task.save_model(self.engine.module, os.path.join(cfg.output_dir, "final"), cfg.steps, None)
             atomic_write_json(os.path.join(cfg.output_dir, "summary.json"), summary)
@@ -236,15 +297,17 @@ class Trainer:
             batch = self.task.batch(self.order.indices(step, m, self.rank), step, m, self.rank)
             loss, _ = engine(batch)
             engine.backward(loss)
-            engine.step()
             total[0] += loss.detach().float()
+            if m == cfg.grad_accum - 1:
+                self.opt.loss = total[0]          # checked with the gradient norm before the update (optim.py)
+            engine.step()
         total[1] = float(stop_requested)
         if dist.is_initialized():
             dist.all_reduce(total)
         done = step + 1
         # the gradient norm before clipping, a device tensor (None where DeepSpeed clips and clipping is off)
-        gn = self.opt.grad_norm if isinstance(self.opt, ClippedAdamW) else engine.get_global_grad_norm()
-        this = (done, total, gn)
+        gn = self.opt.grad_norm if owns_clipping(cfg.zero_stage) else engine.get_global_grad_norm()
+        this = (done, total, gn, self.opt.skipped)
         # the previous step's numbers are read only now, with this step already queued: a read-back here
         # would leave the GPU idle while the host prepares the next batch
         requested = self._finish() if self._pending else False
@@ -259,21 +322,43 @@ class Trainer:
         return requested
 
     def _finish(self) -> bool:
-        """Read back the pending step's loss, gradient norm and stop flag (the one host sync of a step), stop on
-        non-finite numbers, update the progress bar and log as due. -> whether any rank asked to stop."""
-        (done, total, gn), self._pending = self._pending, None
+        """Read back the pending step's loss, gradient norm, skip flag and stop flag (the one host sync of a step),
+        count a skipped step (and stop after `max_bad_steps` in a row), update the progress bar and log as due.
+        -> whether any rank asked to stop."""
+        (done, total, gn, skipped), self._pending = self._pending, None
         total = total.tolist()
         loss_mean = total[0] / (self.cfg.grad_accum * self.world)
         gn = float(gn) if gn is not None else None
-        check_finite(done, loss_mean, gn)
         now = time.perf_counter()
         seconds, self._last_finish = now - self._last_finish, now
         self.bar.update(1)
+        if skipped is not None and bool(skipped):
+            self.skipped_steps += 1
+            self.bad_in_a_row += 1
+            log.warning("step %d skipped: loss %s, gradient norm %s (%d in a row)", done, loss_mean, gn,
+                        self.bad_in_a_row)
+            self.metrics.write("skipped", done, {"loss": str(loss_mean), "grad_norm": str(gn),
+                                                 "skipped_steps": self.skipped_steps})
+            if self.bad_in_a_row >= self.cfg.max_bad_steps:
+                raise BadSteps(self._bad_steps_message(done, loss_mean, gn))
+            return total[1] > 0
+        self.bad_in_a_row = 0
         self.bar.set_postfix(loss=f"{loss_mean:.4f}")
         if done % self.cfg.log_every == 0 or done == self.cfg.steps:
             self.metrics.write("train", done, {"loss": loss_mean, "lr": self.sched.get_last_lr()[0],
-                                               "grad_norm": gn, "step_seconds": seconds})
+                                               "grad_norm": gn, "skipped_steps": self.skipped_steps,
+                                               "step_seconds": seconds})
         return total[1] > 0
+
+    def _bad_steps_message(self, done: int, loss: float, gn: float | None) -> str:
+        positions = np.concatenate([self.order.indices(done - 1, m, r) for m in range(self.cfg.grad_accum)
+                                    for r in range(self.world)])
+        rows = self.task.data.locate(self.task.train_index[positions])
+        info = checkpoint.latest(self.ckpt_dir)
+        return (f"step {done}: {self.bad_in_a_row} consecutive steps with a non-finite loss or gradient norm, all "
+                f"skipped (max_bad_steps {self.cfg.max_bad_steps}; this one: loss {loss}, gradient norm {gn}); "
+                f"stopping without a checkpoint (the last one, {info['tag'] if info else 'none yet'}, is intact). "
+                f"The rows of step {done}: " + "; ".join(f"{f} rows {r}" for f, r in rows.items()))
 
     def evaluate(self, step: int) -> None:
         if self.rank == 0:
@@ -292,6 +377,8 @@ class Trainer:
         if self._pending:                    # a checkpoint only after its step's loss and gradient norm are checked
             self._finish()
         keep = {self.best["step"]} if self.best["step"] is not None else set()
-        checkpoint.save(self.engine, self.ckpt_dir, done, {"step": done, "best": self.best,
-                                                           "run_hash": self.cfg.run_hash()},
+        # (DeepSpeed's own checkpoint keys include "skipped_steps": ours are under "skips")
+        skips = {"total": self.skipped_steps, "in_a_row": self.bad_in_a_row}
+        checkpoint.save(self.engine, self.ckpt_dir, done, {"step": done, "best": self.best, "run_hash": self.run_hash,
+                                                           "skips": skips},
                         keep_last=self.cfg.keep_last, keep=keep)

@@ -61,3 +61,33 @@ def test_incompatible_models_raise(worlds64):
     dec = SpeculativeDecoder(w.target, w.drafter)
     with pytest.raises(ValueError, match="empty"):
         dec.generate([], max_new_tokens=4)
+
+
+def test_the_cache_is_passed_under_its_current_name(worlds64):
+    """transformers deprecates `past_key_values` (a warning on every decode, the name removed in 5.40): the runtime
+    passes `cache`, so decoding logs no deprecation warning."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from tfm_runtime.acceptance import greedy_continuation
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    handler = Collect()
+    hf_logging.get_logger().addHandler(handler)
+    hf_logging.warning_once.cache_clear()                 # the warning is logged once per process
+    try:
+        for family in ("llama", "qwen3_5"):
+            w = worlds64[family]
+            SpeculativeDecoder(w.target, w.drafter, w.weaver, tree_budget=8).generate(PROMPTS[0], max_new_tokens=6)
+            greedy_continuation(w.target, PROMPTS[0], 3)
+    finally:
+        hf_logging.get_logger().removeHandler(handler)
+    assert not [m for m in handler.messages if "deprecated" in m], handler.messages

@@ -90,12 +90,12 @@ def greedy_continuation(target, prompt: list[int], n: int) -> list[int]:
     """The target's own greedy decoding of `n` tokens after `prompt` (KV cache, no EOS stop)."""
     ids = torch.as_tensor(prompt, device=target.device)[None]
     cache = target.new_cache()
-    out = target(ids, past_key_values=cache, use_cache=True, logits=False)
+    out = target(ids, cache=cache, use_cache=True, logits=False)
     toks = []
     for _ in range(n):
         nxt = int(target.head(out.h_final[0, -1]).argmax())
         toks.append(nxt)
-        out = target(torch.tensor([[nxt]], device=target.device), past_key_values=cache, use_cache=True,
+        out = target(torch.tensor([[nxt]], device=target.device), cache=cache, use_cache=True,
                      logits=False)
     return toks
 

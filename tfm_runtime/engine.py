@@ -157,7 +157,7 @@ class SpeculativeDecoder:
         stats = DecodeStats(prompt_tokens=prompt.numel())
         t = time.perf_counter()
         cache = self.target.new_cache()
-        out = self.target(prompt[None], past_key_values=cache, use_cache=True)
+        out = self.target(prompt[None], cache=cache, use_cache=True)
         dcache = self.drafter.new_cache()
         self.drafter.extend_context(dcache, out.taps)
         first = filter_probs(out.logits[0, -1:].double(), temperature, top_k, top_p)[0]

@@ -17,7 +17,7 @@ class TargetOutput:
     logits: torch.Tensor        # [B, T, V]
     h_final: torch.Tensor       # [B, T, H]  final-norm hidden (LM-head input)
     taps: torch.Tensor          # [B, T, n_taps * H]  concatenated tap-layer outputs (empty if no taps)
-    past_key_values: object = None
+    cache: object = None        # the transformers Cache passed in, now holding the new positions too
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -101,14 +101,15 @@ class TargetModel(nn.Module):
         return self.model.get_output_embeddings()(h)
 
     def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                attention_mask=None, past_key_values=None, use_cache: bool = False,
-                logits: bool = True) -> TargetOutput:
-        """input_ids [B, T] -> TargetOutput. `attention_mask` may be a custom 4D additive mask
-        [B, 1, T, kv_len] (tree verification) or a dict {layer_type: mask}. With `logits=False` the LM head is
-        skipped (TargetOutput.logits is None; apply `head` to the positions needed)."""
+                attention_mask=None, cache=None, use_cache: bool = False, logits: bool = True) -> TargetOutput:
+        """input_ids [B, T] -> TargetOutput. `cache`: a transformers Cache (`new_cache`), extended in place.
+        `attention_mask` may be a custom 4D additive mask [B, 1, T, kv_len] (tree verification) or a dict
+        {layer_type: mask}. With `logits=False` the LM head is skipped (TargetOutput.logits is None; apply `head` to
+        the positions needed)."""
         self._captured.clear()
-        out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                        past_key_values=past_key_values, use_cache=use_cache)
+        # `cache`: the name transformers uses since 5.24 (`past_key_values` is deprecated, removed in 5.40)
+        out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                        use_cache=use_cache)
         h = out.last_hidden_state                                   # [B, T, H] (after final norm)
         out_logits = self.head(h) if logits else None               # [B, T, V]
         if self.tap_layer_ids:
@@ -116,7 +117,7 @@ class TargetModel(nn.Module):
         else:
             taps = h.new_zeros(*h.shape[:-1], 0)
         self._captured.clear()
-        return TargetOutput(logits=out_logits, h_final=h, taps=taps, past_key_values=out.past_key_values)
+        return TargetOutput(logits=out_logits, h_final=h, taps=taps, cache=out.cache)
 
 
 def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:

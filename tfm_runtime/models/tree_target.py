@@ -52,7 +52,7 @@ class TreeVerifier:
             ctx = verifier._ctx
             if ctx is None:
                 return mod._tfm_plain_forward(hidden_states, *args, **kwargs)
-            cache = kwargs.get("cache", kwargs.get("cache_params"))   # transformers < 5.2x: cache_params
+            cache = kwargs.get("cache", kwargs.get("cache_params"))   # `cache` since transformers 5.24
             out, stash = gdn_tree_layer_forward(mod, hidden_states, cache, ctx["parents"], backend=verifier.backend,
                                                 anc_bits=ctx["anc_bits"], single_root=ctx["single_root"])
             ctx["stash"][mod.layer_idx] = stash
@@ -83,7 +83,7 @@ class TreeVerifier:
         self._ctx = {"parents": parents.to(dev), "stash": {}, "anc_bits": anc_bits, "single_root": single_root}
         try:
             out = self.target(tokens[None].to(dev), position_ids=(start + depths)[None].to(dev),
-                              attention_mask=mask, past_key_values=cache, use_cache=True)
+                              attention_mask=mask, cache=cache, use_cache=True)
         finally:
             self._stash, self._ctx = self._ctx["stash"], None
         return out

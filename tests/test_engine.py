@@ -63,6 +63,17 @@ def test_incompatible_models_raise(worlds64):
         dec.generate([], max_new_tokens=4)
 
 
+def test_greedy_verification_is_refused_above_temperature_zero(worlds64):
+    """Greedy verification is lossless only at T = 0: at T > 0 it would emit argmax tokens, not samples."""
+    w = worlds64["llama"]
+    dec = SpeculativeDecoder(w.target, w.drafter, None, tree_budget=8, proposal="ddtree", verification="greedy")
+    assert len(dec.generate(PROMPTS[0], max_new_tokens=4, temperature=0.0).tokens) == 4
+    with pytest.raises(ValueError, match=r"verification='greedy'.*temperature 0.*got temperature 0.7"):
+        dec.generate(PROMPTS[0], max_new_tokens=4, temperature=0.7)
+    with pytest.raises(ValueError, match="chain_sampling.*proposal='chain'"):
+        SpeculativeDecoder(w.target, w.drafter, None, proposal="ddtree", verification="chain_sampling")
+
+
 def test_the_cache_is_passed_under_its_current_name(worlds64):
     """transformers deprecates `past_key_values` (a warning on every decode, the name removed in 5.40): the runtime
     passes `cache`, so decoding logs no deprecation warning."""

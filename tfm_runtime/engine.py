@@ -94,9 +94,15 @@ class SpeculativeDecoder:
             raise ValueError("proposal='weaver' needs a Weaver adapter (load one with tfm_runtime.load_adapter)")
         if verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
+        if verification == "chain_sampling" and proposal != "chain":
+            raise ValueError(f"verification='chain_sampling' needs proposal='chain' (drafts sampled from DFlash), "
+                             f"got proposal={proposal!r}")
         if tree_budget < 1:
             raise ValueError(f"tree_budget must be >= 1, got {tree_budget}")
         check_models(target, drafter, adapter)
+        if adapter is not None and adapter.contract is not None:
+            check_adapter(adapter.contract, adapter, target=target, drafter=drafter,
+                          where=f"SpeculativeDecoder: adapter {adapter.source or '(built in code)'}")
         self.target, self.drafter, self.adapter = target, drafter, adapter
         self.tree_budget, self.proposal, self.verification = tree_budget, proposal, verification
         self.expand, self.width = expand, width
@@ -105,6 +111,9 @@ class SpeculativeDecoder:
     def _rule(self, temperature: float) -> str:
         if temperature == 0:
             return "greedy"
+        if self.verification == "greedy":
+            raise ValueError(f"verification='greedy' is lossless only at temperature 0 (it emits the target's argmax, "
+                             f"not samples); got temperature {temperature}: use 'auto', 'target_only' or 'traversal'")
         if self.verification != "auto":
             return self.verification
         return "traversal" if self.proposal == "weaver" else "target_only"

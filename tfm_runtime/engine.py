@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tfm_runtime.contract import ContractError
+from tfm_runtime.hub import check_adapter
 from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.target import TargetModel
 from tfm_runtime.models.tree_target import TreeVerifier
@@ -82,6 +83,20 @@ def check_models(target: TargetModel, drafter: DFlashDrafter, adapter: Weaver | 
 
 
 class SpeculativeDecoder:
+    """Speculative decoding of one request at a time with a target, its DFlash drafter and optionally a Weaver.
+
+    `target`: a TargetModel, or a Hugging Face causal LM (wrapped with the drafter's tap layers). The three models
+    must agree on their sizes; an adapter with a contract (`load_adapter` sets it) must also have been trained for
+    exactly this target and drafter: ids, revisions and tokenizer hash are checked (`tfm_runtime.hub.check_adapter`,
+    a `ContractError` names the field). A copy of the contract's model under another name (a local folder) is passed
+    as `load_target(ModelSpec(path, id=contract.target_id), taps)` or `TargetModel(model, taps, spec=ModelSpec(path,
+    id=contract.target_id))`, and likewise `load_drafter(ModelSpec(path, id=contract.drafter_id))`.
+
+    `verification`: "greedy" (temperature 0 only), "target_only", "chain_sampling" (proposal "chain"), "traversal",
+    or "auto" (greedy at temperature 0; traversal for Weaver trees, target-only otherwise). Tree verification runs
+    the target's own attention with a 4-D mask: eager or SDPA attention, no sliding-window layers (TreeVerifier).
+    """
+
     def __init__(self, target, drafter: DFlashDrafter, adapter: Weaver | None = None, *, tree_budget: int = 64,
                  proposal: str | None = None, verification: str = "auto", expand: int = 8,
                  width: int | None = None, gdn_backend: str = "auto"):

@@ -142,9 +142,19 @@ def load_target(spec: ModelSpec | str, taps=(), device="cpu", dtype: torch.dtype
         from transformers import AutoModelForCausalLM
         path, kw = _hf_source(spec)
         if "gguf_file" not in kw:
-            kw["use_safetensors"] = True
+            kw["use_safetensors"] = True                 # never unpickle a checkpoint
+            if os.path.isdir(path):
+                check_safetensors_folder(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     return TargetModel(model.to(device).eval(), list(taps), spec=spec)
+
+
+def check_safetensors_folder(path: str) -> None:
+    """Raise unless the folder holds whole *.safetensors files: FileNotFoundError when it has none (naming any
+    pickle checkpoints, never loaded), ValueError naming a damaged or truncated file."""
+    from tfm_runtime.models.common import read_safetensors_header, safetensors_files
+    for f in safetensors_files(path):
+        read_safetensors_header(f)
 
 
 def load_drafter_config(spec: ModelSpec | str):

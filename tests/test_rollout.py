@@ -1,5 +1,7 @@
 """BatchedGenerator (tfm_runtime.rollout) against HF generate on tiny float64 targets: greedy token-for-token, EOS,
-refill and compaction, sampling determinism, bad input, and the Rollout stage's dispatch."""
+refill and compaction, sampling determinism, bad input, and the Rollout stage's dispatch; then the CPU path through
+tfm_runtime.rollout_check: float32 token for token, bf16 divergences only at rounding ties, a broken engine caught
+(the CUDA-graphed path: test_rollout_gpu.py)."""
 import pytest
 import torch
 

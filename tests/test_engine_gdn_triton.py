@@ -40,7 +40,7 @@ def test_tree_pass_and_commit_match_torch_path(world):
     for backend in ("torch", "triton"):
         v = TreeVerifier(t, backend=backend)
         cache = t.new_cache()
-        t(prompt[None].to(DEV), past_key_values=cache, use_cache=True)
+        t(prompt[None].to(DEV), cache=cache, use_cache=True)
         before = [layer.recurrent_states[0].clone() for layer in cache.layers if hasattr(layer, "recurrent_states")]
         o1 = v.verify(cache, tokens, parents, depths, anc, 9)
         after = [layer.recurrent_states[0] for layer in cache.layers if hasattr(layer, "recurrent_states")]

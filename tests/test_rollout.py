@@ -1,5 +1,7 @@
 """BatchedGenerator (tfm_runtime.rollout) against HF generate on tiny float64 targets: greedy token-for-token, EOS,
-refill and compaction, sampling determinism, bad input, and the Rollout stage's dispatch."""
+refill and compaction, sampling determinism, bad input, and the Rollout stage's dispatch; then the CPU path through
+tfm_runtime.rollout_check: float32 token for token, bf16 divergences only at rounding ties, a broken engine caught
+(the CUDA-graphed path: test_rollout_gpu.py)."""
 import pytest
 import torch
 
@@ -127,3 +129,63 @@ def test_regenerate_dispatch(targets):
     assert regenerate(model, prompts, **kw) == hf_regenerate(model, prompts, **kw)
     hybrid = tiny_target("qwen3_5", dtype=torch.float64, layers=4).model
     assert regenerate(hybrid, prompts[:3], **kw) == hf_regenerate(hybrid, prompts[:3], **kw)
+
+
+# ---- correctness against Hugging Face generate (tfm_runtime.rollout_check) -------------------------------------------
+def test_prompt_logits_are_the_logits_of_the_first_new_token(targets):
+    model = targets["qwen3"]
+    prompts = random_prompts(LENGTHS, seed=6)
+    gen = BatchedGenerator(model, max_slots=3, max_len=32, min_bucket=1)
+    logits = gen.prompt_logits(prompts)
+    ref = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(logits, ref, rtol=1e-10, atol=1e-10)
+    assert [[t] for t in logits.argmax(-1).tolist()] == gen.generate(prompts, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_float32_equals_hf_generate_on_the_cpu(family):
+    """The CPU path (eager decode steps) in float32: token for token HF generate's, first logits at rounding level."""
+    from tfm_runtime.rollout_check import compare_with_hf
+    model = tiny_target(family, dtype=torch.float32, layers=3, tap_layer_ids=()).model
+    reference = tiny_target(family, dtype=torch.float64, layers=3, tap_layer_ids=()).model
+    report = compare_with_hf(model, random_prompts(LENGTHS, seed=7), 16, reference=reference,
+                             engine=dict(max_slots=3, min_bucket=1))        # 7 prompts in 3 slots: refills
+    assert report["identical"] == 1.0, report["divergences"]
+    assert report["first_logits"]["within_rounding"], report["first_logits"]
+
+
+def test_bfloat16_divergences_are_rounding_ties():
+    """In bf16 greedy outputs may part at near-ties: every first divergence must be one, i.e. the two tokens' logits
+    (float32 forward of the same weights) differ by no more than a few times bf16's own error at that position."""
+    from tfm_runtime.rollout_check import compare_with_hf
+    model = tiny_target("qwen3", dtype=torch.bfloat16, layers=3, tap_layer_ids=()).model
+    reference = tiny_target("qwen3", dtype=torch.bfloat16, layers=3, tap_layer_ids=()).model.float()
+    report = compare_with_hf(model, random_prompts([6] * 12, seed=8), 24, reference=reference,
+                             engine=dict(max_slots=4, min_bucket=1))
+    d = report["first_divergence"]
+    print("bf16 first divergence:", d, "identical:", report["identical"])
+    assert d["count"] >= 1, "no divergence at all: the test would not exercise the tie analysis"
+    assert report["explained_by_rounding"] == 1.0, report["divergences"]
+    assert report["first_logits"]["within_rounding"], report["first_logits"]
+
+
+def test_the_comparison_catches_a_wrong_engine(monkeypatch):
+    """Teeth: decode steps that hide each token's own key give divergences that are not ties; a prefill without
+    the rotary embedding gives first logits off by more than rounding."""
+    from tfm_runtime import rollout
+    from tfm_runtime.rollout_check import compare_with_hf
+    model = tiny_target("llama", dtype=torch.float32, layers=3, tap_layer_ids=()).model
+    reference = tiny_target("llama", dtype=torch.float64, layers=3, tap_layer_ids=()).model
+    prompts = random_prompts([5] * 6, seed=9)
+    real_attention = rollout._decode_attention
+
+    def off_by_one(q, kc, vc, masked, scale):
+        return real_attention(q, kc, vc, torch.cat([masked[..., 1:], torch.ones_like(masked[..., :1])], -1), scale)
+    monkeypatch.setattr(rollout, "_decode_attention", off_by_one)
+    report = compare_with_hf(model, prompts, 12, reference=reference)
+    assert report["identical"] < 1.0 and report["explained_by_rounding"] < 1.0, report
+    assert report["first_logits"]["within_rounding"]                    # the prefill is still right
+    monkeypatch.setattr(rollout, "_decode_attention", real_attention)
+    monkeypatch.setattr(rollout, "_rotate_half", lambda x: torch.zeros_like(x))
+    report = compare_with_hf(model, prompts, 2, reference=reference)
+    assert not report["first_logits"]["within_rounding"], report["first_logits"]

@@ -100,12 +100,12 @@ def greedy_continuations(target, prompts: list[list[int]], n: int, batch: int = 
             mask[b, W - len(p):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)                                     # [B, W]
         cache = target.new_cache()
-        o = target(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits=False)
+        o = target(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits=False)
         toks = [target.head(o.h_final[:, -1]).argmax(-1)]                           # [B]
         for _ in range(n - 1):
             mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
             pos = pos[:, -1:] + 1
-            o = target(toks[-1][:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+            o = target(toks[-1][:, None], attention_mask=mask, position_ids=pos, cache=cache,
                        use_cache=True, logits=False)
             toks.append(target.head(o.h_final[:, -1]).argmax(-1))
         out += torch.stack(toks, dim=1).tolist()

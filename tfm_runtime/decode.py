@@ -21,13 +21,17 @@ def build(adapter: str, *, target: str | None = None, drafter: str | None = None
           revision: str | None = None):
     """-> (target TargetModel, drafter, adapter, tokenizer), the contract checked."""
     from tfm_runtime.hub import check_adapter, load_adapter
-    from tfm_runtime.loading import load_drafter, load_target, load_tokenizer
+    from tfm_runtime.loading import ModelSpec, load_drafter, load_target, load_tokenizer
     weaver = load_adapter(adapter, revision, device=device)
     c = weaver.contract
-    drafter_m = load_drafter(drafter or c.drafter_id, device, dtype)
-    target_m = load_target(target or c.target_id, drafter_m.cfg.target_layer_ids, device, dtype)
+    # a --target / --drafter is a copy of the contract's model: it carries the contract's id (sizes and the
+    # tokenizer hash are still checked)
+    dspec = ModelSpec(drafter, id=c.drafter_id) if drafter else ModelSpec(c.drafter_id, c.drafter_revision)
+    tspec = ModelSpec(target, id=c.target_id) if target else ModelSpec(c.target_id, c.target_revision)
+    drafter_m = load_drafter(dspec, device, dtype)
+    target_m = load_target(tspec, drafter_m.cfg.target_layer_ids, device, dtype)
     check_adapter(c, weaver, target=target_m, drafter=drafter_m, where=f"adapter {adapter}")
-    return target_m, drafter_m, weaver.to(target_m.dtype), load_tokenizer(target or c.target_id)
+    return target_m, drafter_m, weaver.to(target_m.dtype), load_tokenizer(tspec)
 
 
 def greedy(target, ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tfm_runtime.contract import ContractError
+from tfm_runtime.hub import check_adapter
 from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.target import TargetModel
 from tfm_runtime.models.tree_target import TreeVerifier
@@ -82,6 +83,20 @@ def check_models(target: TargetModel, drafter: DFlashDrafter, adapter: Weaver | 
 
 
 class SpeculativeDecoder:
+    """Speculative decoding of one request at a time with a target, its DFlash drafter and optionally a Weaver.
+
+    `target`: a TargetModel, or a Hugging Face causal LM (wrapped with the drafter's tap layers). The three models
+    must agree on their sizes; an adapter with a contract (`load_adapter` sets it) must also have been trained for
+    exactly this target and drafter: ids, revisions and tokenizer hash are checked (`tfm_runtime.hub.check_adapter`,
+    a `ContractError` names the field). A copy of the contract's model under another name (a local folder) is passed
+    as `load_target(ModelSpec(path, id=contract.target_id), taps)` or `TargetModel(model, taps, spec=ModelSpec(path,
+    id=contract.target_id))`, and likewise `load_drafter(ModelSpec(path, id=contract.drafter_id))`.
+
+    `verification`: "greedy" (temperature 0 only), "target_only", "chain_sampling" (proposal "chain"), "traversal",
+    or "auto" (greedy at temperature 0; traversal for Weaver trees, target-only otherwise). Tree verification runs
+    the target's own attention with a 4-D mask: eager or SDPA attention, no sliding-window layers (TreeVerifier).
+    """
+
     def __init__(self, target, drafter: DFlashDrafter, adapter: Weaver | None = None, *, tree_budget: int = 64,
                  proposal: str | None = None, verification: str = "auto", expand: int = 8,
                  width: int | None = None, gdn_backend: str = "auto"):
@@ -94,9 +109,15 @@ class SpeculativeDecoder:
             raise ValueError("proposal='weaver' needs a Weaver adapter (load one with tfm_runtime.load_adapter)")
         if verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
+        if verification == "chain_sampling" and proposal != "chain":
+            raise ValueError(f"verification='chain_sampling' needs proposal='chain' (drafts sampled from DFlash), "
+                             f"got proposal={proposal!r}")
         if tree_budget < 1:
             raise ValueError(f"tree_budget must be >= 1, got {tree_budget}")
         check_models(target, drafter, adapter)
+        if adapter is not None and adapter.contract is not None:
+            check_adapter(adapter.contract, adapter, target=target, drafter=drafter,
+                          where=f"SpeculativeDecoder: adapter {adapter.source or '(built in code)'}")
         self.target, self.drafter, self.adapter = target, drafter, adapter
         self.tree_budget, self.proposal, self.verification = tree_budget, proposal, verification
         self.expand, self.width = expand, width
@@ -105,6 +126,9 @@ class SpeculativeDecoder:
     def _rule(self, temperature: float) -> str:
         if temperature == 0:
             return "greedy"
+        if self.verification == "greedy":
+            raise ValueError(f"verification='greedy' is lossless only at temperature 0 (it emits the target's argmax, "
+                             f"not samples); got temperature {temperature}: use 'auto', 'target_only' or 'traversal'")
         if self.verification != "auto":
             return self.verification
         return "traversal" if self.proposal == "weaver" else "target_only"
@@ -157,7 +181,7 @@ class SpeculativeDecoder:
         stats = DecodeStats(prompt_tokens=prompt.numel())
         t = time.perf_counter()
         cache = self.target.new_cache()
-        out = self.target(prompt[None], past_key_values=cache, use_cache=True)
+        out = self.target(prompt[None], cache=cache, use_cache=True)
         dcache = self.drafter.new_cache()
         self.drafter.extend_context(dcache, out.taps)
         first = filter_probs(out.logits[0, -1:].double(), temperature, top_k, top_p)[0]

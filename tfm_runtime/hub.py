@@ -56,8 +56,10 @@ def load_adapter(path_or_repo_id: str, revision: str | None = None, *, target=No
 
     `revision`: a Hub branch, tag or commit (default main). `target`: a TargetModel, a Hugging Face causal LM or
     its config; `drafter`: a DFlashDrafter or its DFlashConfig. Each given one is checked against the adapter's
-    contract (vocab and hidden sizes, tap layers, block size, mask token, ...): a disagreement raises
-    `ContractError(field, expected, actual, where)`, the expected value being the contract's.
+    contract (vocab and hidden sizes, tap layers, block size, mask token, ...; for a TargetModel and a DFlashDrafter
+    also which models they are: ids, revisions, tokenizer hash, see `check_adapter`): a disagreement raises
+    `ContractError(field, expected, actual, where)`, the expected value being the contract's. SpeculativeDecoder
+    makes the same check against the models it decodes with.
 
     The returned module carries `.contract` (Contract), `.commit_sha` (the Hub commit it was loaded from, None for a
     local folder) and `.source` (`path_or_repo_id`).
@@ -83,7 +85,15 @@ def load_adapter(path_or_repo_id: str, revision: str | None = None, *, target=No
 
 def check_adapter(contract: Contract, adapter: Weaver, *, target=None, drafter=None, where: str = "") -> None:
     """Raise ContractError on the first field where the adapter's config, the target or the drafter disagree with
-    the contract (see `load_adapter`)."""
+    the contract (see `load_adapter`).
+
+    Sizes are compared first, then which models they are, for a TargetModel and a DFlashDrafter (configs and plain
+    Hugging Face models give sizes only): `model_id` must be the contract's `target_id` / `drafter_id` (two spellings
+    of one local folder agree), and the revision and the target's tokenizer hash must match where both sides know
+    them. A copy of the model under another name is declared with `ModelSpec(path, id=<the contract's id>)`.
+    """
+    from tfm_runtime.models.dflash import DFlashDrafter
+    from tfm_runtime.models.target import TargetModel
     w = adapter.cfg
     pairs = [("target_hidden_size", contract.target_hidden_size, w.d_model, "adapter config d_model"),
              ("candidate_pool", contract.candidate_pool, w.candidate_pool, "adapter config"),
@@ -92,9 +102,45 @@ def check_adapter(contract: Contract, adapter: Weaver, *, target=None, drafter=N
         pairs += _target_pairs(contract, w, target)
     if drafter is not None:
         pairs += _drafter_pairs(contract, drafter)
+    _check(pairs, where)
+    if isinstance(target, TargetModel):
+        _check(_target_identity(contract, target), where)
+    if isinstance(drafter, DFlashDrafter):
+        _check(_drafter_identity(contract, drafter), where)
+
+
+COPY_HINT = "a copy of the model under another name: ModelSpec(path, id={!r})"
+
+
+def _target_identity(contract: Contract, target):
+    """(field, contract value, target value, what), lazily: the tokenizer is read only when the ids agree."""
+    yield ("target_id", contract.target_id, target.model_id,
+           f"target model_id; {COPY_HINT.format(contract.target_id)} for load_target or TargetModel(spec=...)")
+    if contract.target_revision is not None and target.revision is not None:
+        yield "target_revision", contract.target_revision, target.revision, "target revision"
+    if contract.tokenizer_hash is not None:
+        yield "tokenizer_hash", contract.tokenizer_hash, target.tokenizer_hash, f"tokenizer of {target.model_id}"
+
+
+def _drafter_identity(contract: Contract, drafter):
+    yield ("drafter_id", contract.drafter_id, drafter.model_id,
+           f"drafter model_id; {COPY_HINT.format(contract.drafter_id)} for load_drafter")
+    if contract.drafter_revision is not None and drafter.revision is not None:
+        yield "drafter_revision", contract.drafter_revision, drafter.revision, "drafter revision"
+
+
+def _check(pairs, where: str) -> None:
     for name, expected, actual, what in pairs:
-        if expected != actual:
+        if not _same(name, expected, actual):
             raise ContractError(name, expected, actual, f"{where} vs {what}" if where else what)
+
+
+def _same(name: str, expected, actual) -> bool:
+    """Equal values; for the model ids also two spellings of one local folder (relative or absolute, a link)."""
+    if expected == actual:
+        return True
+    return (name in ("target_id", "drafter_id") and isinstance(expected, str) and isinstance(actual, str)
+            and os.path.isdir(expected) and os.path.isdir(actual) and os.path.samefile(expected, actual))
 
 
 def _target_pairs(contract: Contract, w, target) -> list[tuple]:

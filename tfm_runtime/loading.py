@@ -128,7 +128,10 @@ def target_facts(spec: ModelSpec | str) -> dict:
 
 
 def load_target(spec: ModelSpec | str, taps=(), device="cpu", dtype: torch.dtype | None = None):
-    """The target named by `spec` as a TargetModel tapping the outputs of layers `taps`, on `device`, eval mode."""
+    """The target named by `spec` as a TargetModel tapping the outputs of layers `taps`, on `device`, eval mode.
+
+    The TargetModel carries `spec` (its `model_id` is `spec.name`), which an adapter's contract is checked against:
+    load a local copy of a model as `ModelSpec("/models/copy", id="<the original's id>")`."""
     from tfm_runtime.models import TargetModel
     spec, device = ModelSpec.of(spec), torch.device(device)
     dtype = dtype or resolve_dtype(spec, device)
@@ -139,9 +142,19 @@ def load_target(spec: ModelSpec | str, taps=(), device="cpu", dtype: torch.dtype
         from transformers import AutoModelForCausalLM
         path, kw = _hf_source(spec)
         if "gguf_file" not in kw:
-            kw["use_safetensors"] = True
+            kw["use_safetensors"] = True                 # never unpickle a checkpoint
+            if os.path.isdir(path):
+                check_safetensors_folder(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
-    return TargetModel(model.to(device).eval(), list(taps))
+    return TargetModel(model.to(device).eval(), list(taps), spec=spec)
+
+
+def check_safetensors_folder(path: str) -> None:
+    """Raise unless the folder holds whole *.safetensors files: FileNotFoundError when it has none (naming any
+    pickle checkpoints, never loaded), ValueError naming a damaged or truncated file."""
+    from tfm_runtime.models.common import read_safetensors_header, safetensors_files
+    for f in safetensors_files(path):
+        read_safetensors_header(f)
 
 
 def load_drafter_config(spec: ModelSpec | str):
@@ -159,7 +172,8 @@ def load_drafter_config(spec: ModelSpec | str):
 
 
 def load_drafter(spec: ModelSpec | str, device="cpu", dtype: torch.dtype | None = None):
-    """The DFlash drafter named by `spec` (z-lab folder layout, safetensors), on `device`, eval mode."""
+    """The DFlash drafter named by `spec` (z-lab folder layout, safetensors), on `device`, eval mode, carrying `spec`
+    (its `model_id` is `spec.name`, the contract's `drafter_id`)."""
     from tfm_runtime.models import DFlashDrafter
     spec, device = ModelSpec.of(spec), torch.device(device)
     dtype = dtype or resolve_dtype(spec, device)
@@ -168,6 +182,7 @@ def load_drafter(spec: ModelSpec | str, device="cpu", dtype: torch.dtype | None 
         drafter = tiny_drafter(spec.tiny[0], seed=spec.tiny[1], dtype=dtype)
     else:
         drafter = DFlashDrafter.from_pretrained(_drafter_folder(spec), dtype=dtype)
+    drafter.spec = spec                                  # what an adapter's contract is checked against
     return drafter.to(device).eval()
 
 

@@ -245,6 +245,17 @@ class BatchedGenerator:
     # ---- prefill, harvest, compaction --------------------------------------------------------------------
     def _prefill(self, slots: list[int], prompts: list[list[int]], keys: list[int], sample: bool) -> None:
         """Prefill `prompts` into `slots` and pick each one's first new token (counter 0)."""
+        logits = self._prefill_logits(slots, prompts)                                          # [n, V]
+        sl = torch.tensor(slots, device=self.device)
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        kt = torch.tensor(keys, device=self.device)
+        first = sample_tokens(logits, self.temperature, kt, torch.zeros_like(kt)) if sample else logits.argmax(-1)
+        self.tokens[sl], self.pos[sl], self.keys[sl], self.n_new[sl] = first, lens, kt, 1
+        self.out[sl, 0] = first
+        self.done[sl] = (first == self.eos) | (self.max_new <= 1)
+
+    def _prefill_logits(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Write the K/V of `prompts` into `slots`; -> the next-token logits after each prompt [n, V]."""
         n, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=self.device)   # [n, T] right-padded
         lens = torch.tensor([len(p) for p in prompts], device=self.device)                    # [n]
@@ -259,12 +270,7 @@ class BatchedGenerator:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(n, T, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.lm_head(self.base.norm(h[torch.arange(n, device=self.device), lens - 1]))   # [n, V]
-        kt = torch.tensor(keys, device=self.device)
-        first = sample_tokens(logits, self.temperature, kt, torch.zeros_like(kt)) if sample else logits.argmax(-1)
-        self.tokens[sl], self.pos[sl], self.keys[sl], self.n_new[sl] = first, lens, kt, 1
-        self.out[sl, 0] = first
-        self.done[sl] = (first == self.eos) | (self.max_new <= 1)
+        return self.lm_head(self.base.norm(h[torch.arange(n, device=self.device), lens - 1]))     # [n, V]
 
     def _admit(self, slots, reqs, prompts, keys, sample) -> None:
         """Prefill requests `reqs` into `slots`, longest first, in forwards of <= prefill_tokens padded tokens."""
@@ -357,6 +363,22 @@ class BatchedGenerator:
             self.stats["slot_steps"] += k * b
         self.stats["seconds"] = time.perf_counter() - t0
         return results
+
+    @torch.no_grad()
+    def prompt_logits(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The next-token logits after each prompt [n, V] from the engine's prefill: what `generate` picks the first
+        new token from (to compare with a reference). Uses the slots' cache like `generate`; no state is kept."""
+        prompts = [list(map(int, p)) for p in prompts]
+        self._check(prompts, 1, 0.0, 0)
+        if not prompts:
+            return torch.zeros(0, self.vocab_size, dtype=self.dtype, device=self.device)
+        width = max(len(p) for p in prompts)
+        self._reserve(width + 1)
+        step = max(1, min(self.max_slots, self.prefill_tokens // width))
+        rows = [self._prefill_logits(list(range(len(chunk))), chunk)
+                for chunk in (prompts[i:i + step] for i in range(0, len(prompts), step))]
+        self.done.fill_(True)
+        return torch.cat(rows)
 
     def _check(self, prompts, max_new_tokens, temperature, seed) -> list[int]:
         """Validate a call; -> the request keys."""

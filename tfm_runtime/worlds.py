@@ -5,11 +5,12 @@ Random weights, millisecond forwards on a CPU, no download. Families: dense `lla
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from tfm_runtime.contract import Contract
+from tfm_runtime.contract import Contract, tokenizer_hash
 from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
 from tfm_runtime.models.target import TargetModel, default_tap_layers
 from tfm_runtime.models.weaver import Weaver, WeaverConfig
@@ -62,10 +63,21 @@ def tiny_target_config(family: str, vocab_size: int = TINY_VOCAB, hidden: int = 
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
+def tiny_spec(family: str, seed: int, sizes_are_default: bool) -> str:
+    """The name of a tiny model: the spec `tiny:<family>:<seed>` that loads it, or a name of its own (no spec loads
+    it) for other sizes."""
+    return f"tiny:{family}:{seed}" if sizes_are_default else f"tiny-{family}-seed{seed}-custom"
+
+
+@functools.cache
+def tiny_tokenizer_hash(vocab_size: int = TINY_VOCAB) -> str:
+    return tokenizer_hash(tiny_tokenizer(vocab_size))
+
+
 def tiny_target(family: str = "llama", *, seed: int = 0, dtype=torch.float32, vocab_size: int = TINY_VOCAB,
                 hidden: int = TINY_HIDDEN, layers: int = TINY_LAYERS, tap_layer_ids=None,
                 attn_implementation: str = "sdpa"):
-    """A random-initialised HF causal LM wrapped as TargetModel (deterministic in `seed`)."""
+    """A random-initialised HF causal LM wrapped as TargetModel (deterministic in `seed`), named by `tiny_spec`."""
     from transformers import AutoModelForCausalLM
     cfg = tiny_target_config(family, vocab_size, hidden, layers)
     torch.manual_seed(seed)
@@ -77,7 +89,9 @@ def tiny_target(family: str = "llama", *, seed: int = 0, dtype=torch.float32, vo
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, **extra)
     model = model.to(dtype).eval()
     taps = tap_layer_ids if tap_layer_ids is not None else default_tap_layers(layers, TINY_DRAFTER_LAYERS)
-    return TargetModel(model, taps)
+    default = (vocab_size, hidden, layers) == (TINY_VOCAB, TINY_HIDDEN, TINY_LAYERS)
+    return TargetModel(model, taps, spec=tiny_spec(family, seed, default),
+                       tokenizer_hash=tiny_tokenizer_hash() if default else None)
 
 
 def tiny_drafter_config(family: str = "llama", *, vocab_size: int = TINY_VOCAB, hidden: int = TINY_HIDDEN,
@@ -93,7 +107,8 @@ def tiny_drafter_config(family: str = "llama", *, vocab_size: int = TINY_VOCAB, 
 def tiny_drafter(family: str = "llama", *, seed: int = 0, dtype=torch.float32, **sizes) -> DFlashDrafter:
     """The random-initialised drafter of `tiny_world(family, seed=seed)` (deterministic in `seed`)."""
     torch.manual_seed(seed + 1)
-    return DFlashDrafter(tiny_drafter_config(family, **sizes)).to(dtype).eval()
+    cfg = tiny_drafter_config(family, **sizes)
+    return DFlashDrafter(cfg, spec=tiny_spec(family, seed, cfg == tiny_drafter_config(family))).to(dtype).eval()
 
 
 def tiny_world(family: str = "llama", *, seed: int = 0, dtype=torch.float32, vocab_size: int = TINY_VOCAB,
@@ -108,14 +123,14 @@ def tiny_world(family: str = "llama", *, seed: int = 0, dtype=torch.float32, voc
                         lookahead=block_size - 1, candidate_pool=candidate_pool)
     torch.manual_seed(seed + 2)
     weaver = Weaver(wcfg).to(dtype).eval()
-    # the default sizes are what the spec `tiny:<family>:<seed>` loads (tfm_runtime.loading)
-    default = (vocab_size, hidden, layers, block_size, drafter_layers) == \
-        (TINY_VOCAB, TINY_HIDDEN, TINY_LAYERS, TINY_BLOCK, TINY_DRAFTER_LAYERS)
-    spec = f"tiny:{family}:{seed}" if default else f"tiny-{family}-seed{seed}-custom"
-    contract = Contract(target_id=spec, target_revision=None, drafter_id=spec, drafter_revision=None,
-                        vocab_size=vocab_size, target_hidden_size=hidden, drafter_hidden_size=hidden,
-                        tap_layer_ids=tuple(target.tap_layer_ids), block_size=block_size,
-                        mask_token_id=dcfg.mask_token_id, candidate_pool=candidate_pool, lookahead=block_size - 1)
+    # the default sizes are what the spec `tiny:<family>:<seed>` loads (tfm_runtime.loading), with the tiny tokenizer
+    default = (vocab_size, hidden, layers) == (TINY_VOCAB, TINY_HIDDEN, TINY_LAYERS)
+    contract = Contract(target_id=target.model_id, target_revision=None, drafter_id=drafter.model_id,
+                        drafter_revision=None, vocab_size=vocab_size, target_hidden_size=hidden,
+                        drafter_hidden_size=hidden, tap_layer_ids=tuple(target.tap_layer_ids), block_size=block_size,
+                        mask_token_id=dcfg.mask_token_id, candidate_pool=candidate_pool, lookahead=block_size - 1,
+                        tokenizer_hash=tiny_tokenizer_hash() if default else None)
+    weaver.contract = contract                             # as load_adapter sets it: SpeculativeDecoder checks it
     return World(family, target, drafter, weaver, contract)
 
 

@@ -16,6 +16,9 @@ as `first_call_s`. Rows:
   hf    default cache b={256,1024}, static cache b=1024 (`cache_implementation="static"`, auto-compiled), eos ignored
 Also: per-step times of our captured decode steps at b=1024, and greedy agreement between ours and HF static
 (mean common prefix; bf16 rounding differs between the two, so long outputs drift apart after near-ties).
+Correctness (`notes.correctness_vs_hf`, tfm_runtime.rollout_check): 64 prompts against HF generate in float32 (should
+be token for token) and in bf16 on CUDA: first logits against a higher-precision copy, the first-divergence positions,
+and whether each divergence is a rounding tie.
 """
 from __future__ import annotations
 
@@ -152,6 +155,26 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+# ---- correctness against HF generate (kept apart from the timing rows) ------------------------------------------
+def correctness_vs_hf(model, tok, quick: bool) -> dict:
+    """tfm_runtime.rollout_check.compare_with_hf in float32 (reference float64) and, for a bf16 model, in bf16
+    (reference float32): same prompts, EOS off, HF left-padded in one batch."""
+    import copy
+
+    from tfm_runtime.rollout_check import compare_with_hf
+    n, new = (4, 8) if quick else (64, 256)
+    prompts = build_prompts(tok, n)
+    f32 = copy.deepcopy(model).float()
+    out = {"float32": compare_with_hf(f32, prompts, new, reference=copy.deepcopy(f32).double(), hf_batch=n)}
+    if model.dtype == torch.bfloat16:
+        out["bfloat16"] = compare_with_hf(model, prompts, new, reference=f32, hf_batch=n)
+    for name, r in out.items():
+        print(f"correctness {name}: identical {r['identical']:.3f}, first divergence "
+              f"{r['first_divergence']['quantiles']}, explained by rounding {r['explained_by_rounding']:.3f}, "
+              f"first logits within rounding {r['first_logits']['within_rounding']}", flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -198,6 +221,7 @@ def main(argv=None) -> None:
             pre = [common_prefix(a, c) for a, c in zip(ours_greedy, out)]
             notes["greedy_agreement_vs_hf_static"] = {"mean_common_prefix": sum(pre) / len(pre), "of": new,
                                                       "identical": sum(p == new for p in pre) / len(pre)}
+    notes["correctness_vs_hf"] = correctness_vs_hf(model, tok, args.quick)
     best_hf = max(r["tokens_per_s"] for r in rows if r["engine"] != "ours")
     best_ours = max(r["tokens_per_s"] for r in rows if r["engine"] == "ours" and r["eos"] == "ignored")
     model_name = "SmolLM2-135M architecture, random weights" if args.random_weights else GGUF

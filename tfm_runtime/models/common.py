@@ -137,17 +137,23 @@ def load_safetensors_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
             config = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
+    state: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(path):
+        state.update(load_safetensors_file(f))
+    return config, state
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The *.safetensors files of a folder (paths, sorted); FileNotFoundError when there is none, naming any pickle
+    checkpoints it holds (never loaded)."""
     names = sorted(os.listdir(path))
-    files = [f for f in names if f.endswith(".safetensors")]
+    files = [os.path.join(path, f) for f in names if f.endswith(".safetensors")]
     if not files:
         pickles = [f for f in names if f.endswith(PICKLE_SUFFIXES)]
         found = f"; it holds pickle checkpoints {pickles}, which are never loaded (unpickling can run code)" \
             if pickles else ""
         raise FileNotFoundError(f"no *.safetensors file in {path}{found}")
-    state: dict[str, torch.Tensor] = {}
-    for fn in files:
-        state.update(load_safetensors_file(os.path.join(path, fn)))
-    return config, state
+    return files
 
 
 def load_strict(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tfm_runtime.loading import ModelSpec
 from tfm_runtime.models.common import (RMSNorm, SwiGLU, apply_rope, load_safetensors_dir, load_strict, rope_cos_sin,
                                        save_safetensors_dir)
 
@@ -165,9 +166,13 @@ def dflash_candidates(hidden: torch.Tensor, lm_head_weight: torch.Tensor, K: int
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    """`spec` names the drafter (a ModelSpec; `from_pretrained` and `load_drafter` set it, None for one built in
+    code): its `model_id` is what an adapter contract's `drafter_id` is checked against."""
+
+    def __init__(self, cfg: DFlashConfig, spec=None):
         super().__init__()
         self.cfg = cfg
+        self.spec = ModelSpec.of(spec)
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -177,6 +182,14 @@ class DFlashDrafter(nn.Module):
     @property
     def lookahead(self) -> int:
         return self.cfg.block_size - 1
+
+    @property
+    def model_id(self) -> str | None:
+        return self.spec.name if self.spec is not None else None
+
+    @property
+    def revision(self) -> str | None:
+        return self.spec.revision if self.spec is not None else None
 
     def new_cache(self) -> DFlashCache:
         return DFlashCache(len(self.layers))
@@ -273,6 +286,6 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype | None = None, device=None) -> "DFlashDrafter":
         config, state = load_safetensors_dir(path)
-        model = cls(DFlashConfig.from_hf_dict(config))
+        model = cls(DFlashConfig.from_hf_dict(config), spec=path)
         load_strict(model, state, f"DFlash drafter at {path}")
         return model.to(device=device, dtype=dtype)

@@ -16,6 +16,33 @@ from tfm_runtime.models.gdn_tree_torch import gdn_tree_layer_forward
 from tfm_runtime.models.target import TargetModel, TargetOutput
 
 
+TREE_ATTENTION = ("eager", "sdpa")       # attention implementations that apply a custom 4-D additive mask as given
+
+
+def unsupported_reason(target: TargetModel) -> str | None:
+    """None when tree verification can run `target`, else why not. The tree pass hands every attention layer one
+    4-D additive mask (committed prefix + ancestors) over a cache that keeps every position: implementations that
+    build their own masks (flash, flex, paged, kernels) would ignore it, and sliding-window layers would need a
+    windowed mask over a cache that drops old positions."""
+    cfg = target.config
+    impl = cfg._attn_implementation
+    if impl not in TREE_ATTENTION:
+        return (f"its attention implementation {impl!r} does not apply the tree's 4-D mask; load the target with "
+                f"attn_implementation='eager' or 'sdpa'")
+    types = target.layer_types
+    other = sorted({t for t in types if t not in ("full_attention", "linear_attention")})
+    if other:
+        layers = [i for i, t in enumerate(types) if t in other]
+        return f"layers {layers} are {', '.join(map(repr, other))}, which tree verification does not support"
+    if not getattr(cfg, "layer_types", None) and getattr(cfg, "sliding_window", None):
+        return f"every layer attends through a sliding window of {cfg.sliding_window} tokens"
+    windowed = [i for i, layer in enumerate(target.base.layers)
+                if getattr(getattr(layer, "self_attn", None), "sliding_window", None)]
+    if windowed:
+        return f"layers {windowed} attend through a sliding window, which tree verification does not support"
+    return None
+
+
 def _gdn_modules(target: TargetModel) -> dict[int, torch.nn.Module]:
     out = {}
     for i, layer in enumerate(target.base.layers):
@@ -32,6 +59,9 @@ class TreeVerifier:
     """
 
     def __init__(self, target: TargetModel, backend: str = "auto"):
+        reason = unsupported_reason(target)
+        if reason:
+            raise ValueError(f"tree verification cannot run {type(target.model).__name__}: {reason}")
         self.target = target
         self.gdn = _gdn_modules(target)
         if backend == "auto":
@@ -52,7 +82,7 @@ class TreeVerifier:
             ctx = verifier._ctx
             if ctx is None:
                 return mod._tfm_plain_forward(hidden_states, *args, **kwargs)
-            cache = kwargs.get("cache", kwargs.get("cache_params"))   # transformers < 5.2x: cache_params
+            cache = kwargs.get("cache", kwargs.get("cache_params"))   # `cache` since transformers 5.24
             out, stash = gdn_tree_layer_forward(mod, hidden_states, cache, ctx["parents"], backend=verifier.backend,
                                                 anc_bits=ctx["anc_bits"], single_root=ctx["single_root"])
             ctx["stash"][mod.layer_idx] = stash
@@ -83,7 +113,7 @@ class TreeVerifier:
         self._ctx = {"parents": parents.to(dev), "stash": {}, "anc_bits": anc_bits, "single_root": single_root}
         try:
             out = self.target(tokens[None].to(dev), position_ids=(start + depths)[None].to(dev),
-                              attention_mask=mask, past_key_values=cache, use_cache=True)
+                              attention_mask=mask, cache=cache, use_cache=True)
         finally:
             self._stash, self._ctx = self._ctx["stash"], None
         return out

@@ -164,9 +164,13 @@ class WeaverState:
 
 
 class Weaver(nn.Module):
+    """`contract`: the setup the adapter was trained for (a Contract; `load_adapter` sets it with `commit_sha` and
+    `source`), which SpeculativeDecoder checks against its target and drafter; None for an adapter built in code."""
+
     def __init__(self, cfg: WeaverConfig):
         super().__init__()
         self.cfg = cfg
+        self.contract, self.commit_sha, self.source = None, None, None
         self.output_norm = RMSNorm(cfg.d_model, cfg.rms_eps, bias=True)
         self.embed_norm = RMSNorm(cfg.d_embed, cfg.rms_eps, bias=True)
         self.proposal_in = nn.Linear(cfg.d_model, cfg.d_rank)

@@ -36,7 +36,15 @@ class ModelSpec:
 
     @property
     def name(self) -> str:
-        return self.id or self.path
+        """The id contracts record: `id`, else the spec a prepared copy was made from (its tfm_source.json, written
+        by pipelines.recipe.prepare), else the path."""
+        if self.id:
+            return self.id
+        source = os.path.join(self.path, "tfm_source.json")
+        if os.path.isfile(source):
+            with open(source) as f:
+                return json.load(f)["spec"]
+        return self.path
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:

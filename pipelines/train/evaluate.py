@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tfm_runtime.tree import Tree, build_ddtree
-from tfm_runtime.weaver_tree import build_weaver_tree
+from tfm_runtime.weaver_tree import build_weaver_trees
 
 
 def truth_lengths(true_tokens: torch.Tensor, target_argmax: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -65,15 +65,13 @@ def weaver_acceptance(objective, b: dict, logq: torch.Tensor, budgets: list[int]
            "accept_chain_weaver": float(chain_acceptance(pick_w, b["true_tokens"], truth_len).float().mean())}
     rows = range(b["root_token"].shape[0])
     truths = [b["true_tokens"][r, :int(truth_len[r])].tolist() for r in rows]
+    roots = b["root_token"].tolist()
     for B in budgets:
-        dd, wv = [], []
-        for r in rows:
-            root = int(b["root_token"][r])
-            dd.append(tree_acceptance(ddtree_from_candidates(root, b["cand_ids"][r], b["cand_logits"][r], B),
-                                      truths[r]))
-            tree = build_weaver_tree(weaver, root, b["h_final"][r], b["dflash_hidden"][r], b["cand_ids"][r],
-                                     b["cand_logits"][r], B, embed_weight=embed, lm_head_weight=lm_head)
-            wv.append(tree_acceptance(tree, truths[r]))
+        dd = [tree_acceptance(ddtree_from_candidates(roots[r], b["cand_ids"][r], b["cand_logits"][r], B), truths[r])
+              for r in rows]
+        trees = build_weaver_trees(weaver, roots, b["h_final"], b["dflash_hidden"], b["cand_ids"], b["cand_logits"],
+                                   B, embed_weight=embed, lm_head_weight=lm_head)     # all rows in lockstep
+        wv = [tree_acceptance(t, truths[r]) for r, t in zip(rows, trees)]
         out[f"accept_ddtree_{B}"] = sum(dd) / len(dd)
         out[f"accept_weaver_{B}"] = sum(wv) / len(wv)
     return out

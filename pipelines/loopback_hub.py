@@ -1,6 +1,7 @@
-"""A small Hugging Face Hub on loopback for tests: the HTTP endpoints huggingface_hub's clients use to create a
-repository, push a folder (regular files inline, large ones through the basic LFS protocol) and download it
-(repo info, tree listing, resolve). Clients point at it with HF_ENDPOINT and need HF_HUB_DISABLE_XET=1.
+"""A small Hugging Face Hub on loopback, for tests and `make demo` (no network): the HTTP endpoints huggingface_hub's
+clients use to create a repository, push a folder (regular files inline, large ones through the basic LFS protocol)
+and download it (repo info, tree listing, resolve). Clients point at it with HF_ENDPOINT and need
+HF_HUB_DISABLE_XET=1.
 
 Repositories live in memory as a chain of commits, each a full {path: sha256} tree; blobs are stored by sha256.
 Tokens map to users, and a user may write to their own namespace and their organisations' only (401 without a
@@ -45,7 +46,7 @@ class Repo:
         return next((c for c in self.commits if c.sha == sha), None)
 
 
-class FakeHub:
+class LoopbackHub:
     """The Hub's state; `serve()` starts it on 127.0.0.1 in a daemon thread (stop with `close()`)."""
 
     def __init__(self, users: dict[str, tuple[str, list[str]]]):
@@ -111,7 +112,7 @@ REPO = r"(?P<repo>[^/]+/[^/]+)"
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    hub: FakeHub
+    hub: LoopbackHub
 
     def log_message(self, fmt, *args):            # quiet
         pass

@@ -1,5 +1,5 @@
 """Export and publish on the tiny world: train a Weaver and a DFlash drafter for a few steps, export them, push to a
-Hub served on loopback (tests/hubserver.py, HF_ENDPOINT), load in fresh processes (online with an empty cache, then
+Hub served on loopback (pipelines/loopback_hub.py, HF_ENDPOINT), load in fresh processes (online with an empty cache, then
 offline from that cache); the SGLang layouts against tables of what their loaders read; refusals of bad input."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from hubserver import FakeHub
+from pipelines.loopback_hub import LoopbackHub
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN, OTHER_TOKEN = "hf_test_write_token", "hf_test_other_token"
@@ -47,7 +47,7 @@ def _tree(folder: str) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def hub():
-    h = FakeHub({TOKEN: ("user", ["org"]), OTHER_TOKEN: ("other", [])})
+    h = LoopbackHub({TOKEN: ("user", ["org"]), OTHER_TOKEN: ("other", [])})
     h.create("other/readonly")                        # public, but only "other" may write to it
     url = h.serve()
     yield h, url

@@ -36,22 +36,30 @@ DRAFTER_ID = "assets/smollm2-135m-instruct/dflash-b16"              # the id the
 
 
 def load_world(args):
-    """-> (target, drafter, weaver or None, tokenizer, description)."""
+    """-> (target, drafter, {adapter name: Weaver}, tokenizer, description)."""
     from tfm_runtime.loading import DTYPES, ModelSpec, load_drafter, load_target, load_tokenizer
     dev = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if args.world == "tiny":
         from tfm_runtime.worlds import tiny_tokenizer, tiny_world
         w = tiny_world(args.family, dtype=dtype)
-        return (w.target.to(dev), w.drafter.to(dev), w.weaver.to(dev), tiny_tokenizer(),
+        return (w.target.to(dev), w.drafter.to(dev), {"weaver": w.weaver.to(dev)}, tiny_tokenizer(),
                 f"tiny {args.family} (random weights)")
     from tfm_runtime.hub import load_adapter
     drafter = load_drafter(args.drafter or ModelSpec(os.path.join(ASSETS, "dflash-b16"), id=DRAFTER_ID), dev, dtype)
     target = load_target(args.target or SMOLLM2, drafter.cfg.target_layer_ids, dev, dtype)
-    adapter = args.adapter or os.path.join(ASSETS, "weaver")
-    weaver = load_adapter(adapter, target=target, drafter=drafter, device=dev).to(dtype) \
-        if os.path.isdir(adapter) or args.adapter else None
-    return target, drafter, weaver, load_tokenizer(args.target or SMOLLM2), "SmolLM2-135M-Instruct"
+    committed = os.path.join(ASSETS, "weaver")
+    adapters = args.adapter or ([committed] if os.path.isdir(committed) else [])
+    weavers = {adapter_name(a): load_adapter(a, target=target, drafter=drafter, device=dev).to(dtype) for a in adapters}
+    return target, drafter, weavers, load_tokenizer(args.target or SMOLLM2), "SmolLM2-135M-Instruct"
+
+
+def adapter_name(adapter: str) -> str:
+    """The name rows carry: a Hub id as given, a folder by its path relative to the repository when inside it."""
+    if not os.path.isdir(adapter):
+        return adapter
+    path = os.path.abspath(adapter)
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
 
 
 def datasets(args) -> dict[str, list[dict]]:
@@ -70,10 +78,11 @@ def chat_ids(tok, rec: dict) -> list[int]:
     return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def configs(args, weaver) -> list[tuple[str, int]]:
-    """(proposal, budget): the DFlash chain of block_size - 1 tokens, DDTree and Weaver at every budget."""
-    out = [("chain", args.block - 1)] + [("ddtree", b) for b in args.budgets]
-    return out + ([("weaver", b) for b in args.budgets] if weaver is not None else [])
+def configs(args, weavers: dict) -> list[tuple[str, int, str | None]]:
+    """(proposal, budget, adapter): the DFlash chain of block_size - 1 tokens, DDTree and each Weaver at every
+    budget."""
+    out = [("chain", args.block - 1, None)] + [("ddtree", b, None) for b in args.budgets]
+    return out + [("weaver", b, a) for a in weavers for b in args.budgets]
 
 
 class Tally:
@@ -102,23 +111,24 @@ class Tally:
 
 
 def run(args) -> dict:
-    target, drafter, weaver, tok, world = load_world(args)
+    target, drafter, weavers, tok, world = load_world(args)
     args.block = drafter.cfg.block_size
-    L, K = args.block - 1, (weaver.cfg.candidate_pool if weaver is not None else args.candidate_pool)
+    pools = {w.cfg.candidate_pool for w in weavers.values()}
+    L, K = args.block - 1, (max(pools) if pools else args.candidate_pool)
     eos = tok.eos_token_id
     decoders = {}
 
-    def decoder(proposal, budget, verification="auto"):
-        key = (proposal, budget, verification)
+    def decoder(proposal, budget, adapter, verification="auto"):
+        key = (proposal, budget, adapter, verification)
         if key not in decoders:
-            decoders[key] = SpeculativeDecoder(target, drafter, weaver if proposal == "weaver" else None,
-                                               tree_budget=budget, proposal=proposal, verification=verification)
+            decoders[key] = SpeculativeDecoder(target, drafter, weavers.get(adapter), tree_budget=budget,
+                                               proposal=proposal, verification=verification)
         return decoders[key]
 
     rows, hits, checks = [], {}, {}
     for name, records in datasets(args).items():
         records = records[:args.limit] if args.limit else records
-        tallies = {c: Tally(L) for c in configs(args, weaver)}
+        tallies = {c: Tally(L) for c in configs(args, weavers)}
         hit, seen = torch.zeros(L), 0
         agree, compared = 0, 0
         n = args.max_new_tokens
@@ -133,13 +143,13 @@ def run(args) -> dict:
                 truth = torch.stack([y[j + 1:j + 1 + L] for j in range(len(top))])               # [n, L]
                 hit += (top == truth[..., None]).any(-1).float().sum(0).cpu()
                 seen += len(top)
-            for (proposal, budget), tally in tallies.items():
-                walks = walk(decoder(proposal, budget), trajs, n, eos)
+            for (proposal, budget, adapter), tally in tallies.items():
+                walks = walk(decoder(proposal, budget, adapter), trajs, n, eos)
                 for k, (accepted, sizes) in enumerate(walks):
                     tally.add(accepted, sizes)
                     if lo + k < args.check_prompts:          # the real decoder on the same request
-                        out = decoder(proposal, budget).generate(ids[k], max_new_tokens=n, temperature=0.0,
-                                                                 eos_token_id=eos)
+                        out = decoder(proposal, budget, adapter).generate(ids[k], max_new_tokens=n,
+                                                                          temperature=0.0, eos_token_id=eos)
                         want = trajs[k].tokens[:n]
                         if eos in want:
                             want = want[:want.index(eos) + 1]
@@ -147,22 +157,22 @@ def run(args) -> dict:
                         compared += 1
             bar.update(len(trajs))
         bar.close()
-        for (proposal, budget), tally in tallies.items():
-            rows.append(tally.row(dataset=name, temperature=0.0, proposal=proposal, budget=budget,
+        for (proposal, budget, adapter), tally in tallies.items():
+            rows.append(tally.row(dataset=name, temperature=0.0, proposal=proposal, budget=budget, adapter=adapter,
                                   verification="greedy", method="trajectory"))
         hits[name] = [round(float(h) / max(1, seen), 4) for h in hit]
         checks[name] = {"requests_x_configs": compared, "identical": agree}
-        for proposal, budget in configs(args, weaver) if args.t1_prompts else []:
+        for proposal, budget, adapter in configs(args, weavers) if args.t1_prompts else []:
             rules = ["target_only"] + (["traversal"] if proposal == "weaver" else [])
             for rule in rules:
                 tally = Tally(L)
                 for i, rec in enumerate(records[:args.t1_prompts]):
-                    out = decoder(proposal, budget, rule).generate(
+                    out = decoder(proposal, budget, adapter, rule).generate(
                         chat_ids(tok, rec), max_new_tokens=args.max_new_tokens, temperature=1.0,
                         eos_token_id=eos, generator=torch.Generator().manual_seed(args.seed + i))
                     tally.add(out.stats.accept_lengths, out.stats.tree_sizes)
                 rows.append(tally.row(dataset=name, temperature=1.0, proposal=proposal, budget=budget,
-                                      verification=rule, method="decoder"))
+                                      adapter=adapter, verification=rule, method="decoder"))
     return {"world": world, "max_new_tokens": args.max_new_tokens, "candidate_pool": K, "rows": rows,
             "candidate_hit_rate_by_depth": hits, "crosscheck_t0": checks}
 
@@ -170,16 +180,22 @@ def run(args) -> dict:
 def table(result: dict) -> str:
     """Markdown: acceptance length per dataset and temperature, one column per (proposal, budget)."""
     rows = result["rows"]
-    col = lambda r: (r["proposal"], r["budget"], r["verification"] == "traversal")    # noqa: E731
-    cols = sorted({col(r) for r in rows},
-                  key=lambda c: (["chain", "ddtree", "weaver"].index(c[0]), c[1], c[2]))
-    head = ["dataset", "T"] + [f"{p} {b}" + (" (traversal)" if trav else "") for p, b, trav in cols]
+    col = lambda r: (r["proposal"], r.get("adapter") or "", r["budget"], r["verification"] == "traversal")  # noqa
+    cols = sorted({col(r) for r in rows}, key=lambda c: (["chain", "ddtree", "weaver"].index(c[0]), *c[1:]))
+    several = len({c[1] for c in cols if c[0] == "weaver"}) > 1
+    head = ["dataset", "T"] + [f"{p} {b}" + (f" [{short(a)}]" if several and a else "")
+                               + (" (traversal)" if trav else "") for p, a, b, trav in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for ds, t in sorted({(r["dataset"], r["temperature"]) for r in rows}):
         cell = {col(r): r for r in rows if r["dataset"] == ds and r["temperature"] == t}
         vals = [f"{cell[c]['acceptance_length']:.2f}" if c in cell else "" for c in cols]
         lines.append(f"| {ds} | {t:g} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
+
+
+def short(adapter: str) -> str:
+    """A column label for an adapter: its last path component."""
+    return adapter.rstrip("/").split("/")[-1]
 
 
 def plot(result: dict, path: str) -> None:
@@ -191,15 +207,17 @@ def plot(result: dict, path: str) -> None:
     names = sorted({r["dataset"] for r in t0})
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
     for ax, ds in zip(axes[0], names):
-        for proposal, style in [("chain", "k--"), ("ddtree", "o-"), ("weaver", "s-")]:
+        lines = sorted({(r["proposal"], r.get("adapter") or "") for r in t0 if r["dataset"] == ds},
+                       key=lambda c: (["chain", "ddtree", "weaver"].index(c[0]), c[1]))
+        several = sum(p == "weaver" for p, _ in lines) > 1
+        for proposal, adapter in lines:
             pts = sorted((r["budget"], r["acceptance_length"]) for r in t0
-                         if r["dataset"] == ds and r["proposal"] == proposal)
-            if not pts:
-                continue
+                         if r["dataset"] == ds and r["proposal"] == proposal and (r.get("adapter") or "") == adapter)
             if proposal == "chain":
                 ax.axhline(pts[0][1], color="k", ls="--", lw=1, label=f"DFlash chain ({pts[0][0]})")
             else:
-                ax.plot(*zip(*pts), style, label={"ddtree": "DDTree", "weaver": "Weaver"}[proposal])
+                label = "DDTree" if proposal == "ddtree" else "Weaver" + (f" [{short(adapter)}]" if several else "")
+                ax.plot(*zip(*pts), "o-" if proposal == "ddtree" else "s-", label=label)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{ds} (T = 0)")
         ax.set_xlabel("tree budget (nodes)")
@@ -218,7 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--family", default="llama", help="tiny world family")
     ap.add_argument("--target", help=f"target spec (default {SMOLLM2}; e.g. a prepared bf16 folder on a GPU)")
     ap.add_argument("--drafter", help="DFlash drafter folder (default: the committed SmolLM2 drafter)")
-    ap.add_argument("--adapter", help="Weaver folder or Hub id (default: the committed SmolLM2 Weaver if present)")
+    ap.add_argument("--adapter", action="append", help="Weaver folder or Hub id; repeat to compare several "
+                    "(default: the committed SmolLM2 Weaver if present)")
     ap.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"],
                     choices=["mtbench", "humaneval", "sharegpt"])
     ap.add_argument("--prompts", help="a .jsonl of {\"prompt\": ...} or chat {\"messages\": [...]} (replaces --datasets)")

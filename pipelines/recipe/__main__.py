@@ -102,23 +102,27 @@ def stage_command(stage: Stage, recipe: Recipe, work: str, extra: dict[str, list
 
 
 def run_stage(cmd: list[str], deadline: float | None, log_path: str) -> int:
-    """Run `cmd`, its output teed to the console and `log_path`; at the deadline send SIGTERM and wait."""
-    with open(log_path, "a") as logf:
-        logf.write(f"\n$ {' '.join(cmd)}\n")
+    """Run `cmd`, its output teed to the console and `log_path` as it comes (progress bars included); at the
+    deadline send SIGTERM and wait."""
+    with open(log_path, "ab") as logf:
+        logf.write(f"\n$ {' '.join(cmd)}\n".encode())
         logf.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        os.set_blocking(proc.stdout.fileno(), False)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        fd = proc.stdout.fileno()
+        os.set_blocking(fd, False)
         termed = False
         while True:
-            line = proc.stdout.readline()
-            if line:
-                sys.stdout.write(line)
-                logf.write(line)
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:                 # nothing to read now
+                chunk = None
+            if chunk:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+                logf.write(chunk)
                 continue
-            if proc.poll() is not None:
-                rest = proc.stdout.read() or ""
-                sys.stdout.write(rest)
-                logf.write(rest)
+            if chunk == b"" or proc.poll() is not None:   # end of output, or the stage exited and all it wrote is read
+                proc.wait()
                 break
             if deadline is not None and not termed and time.time() >= deadline:
                 log.warning("deadline reached: stopping the stage (SIGTERM)")

@@ -25,9 +25,10 @@ test: install
 test-fast: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -x -m "not slow" tests
 
-# Until the SmolLM2 world lands, the demo decodes on a tiny random world (acceptance numbers check plumbing only).
+# SmolLM2-135M end to end on the CPU: collect (Ray), train (DeepSpeed), export, push to a loopback Hub, load back,
+# decode MT-Bench prompts and print the acceptance table (python -m pipelines.demo --help).
 demo: install
-	$(PY) -m benchmarks.runtime.acceptance --world tiny --datasets mtbench --limit 2 --budgets 16 64 --max-new-tokens 24 --check-prompts 1 --t1-prompts 1
+	$(PY) -m pipelines.demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

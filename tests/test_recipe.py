@@ -72,3 +72,27 @@ def test_bad_recipes_are_refused_before_any_stage_runs(tmp_path):
     ok.write_text("stages: [{name: a, kind: prompts, args: {out: x}}]")
     r = _driver("--recipe", str(ok), "--work", str(tmp_path / "w"), "--until", "b")
     assert r.returncode == 2 and "--until 'b'" in r.stderr
+
+
+@pytest.mark.parametrize("recipe", ["recipe.yaml", "demo.yaml"])
+def test_the_committed_smollm2_recipes_hold_valid_configs(tmp_path, recipe):
+    """Every collect and train config of recipes/smollm2 parses once `{work}` is resolved, and the demo's export
+    pushes to the repository pipelines.demo loads back."""
+    import yaml
+
+    from pipelines.collect.config import CollectConfig
+    from pipelines.recipe.__main__ import Recipe, stage_command
+    from pipelines.train.config import TrainConfig
+    r = Recipe.load(os.path.join(ROOT, "recipes", "smollm2", recipe))
+    work = str(tmp_path)
+    for stage in r.stages:
+        cmd = stage_command(stage, r, work, {})
+        if stage.kind in ("collect", "train"):
+            with open(cmd[cmd.index("--config") + 1]) as f:
+                d = yaml.safe_load(f)
+            cfg = (CollectConfig if stage.kind == "collect" else TrainConfig).from_dict(d)
+            assert cfg.output_dir.startswith(work)
+    if recipe == "demo.yaml":
+        from pipelines.demo import REPO_ID
+        export = [s for s in r.stages if s.kind == "export"]
+        assert export and export[-1].args.get("push") is True and export[-1].args.get("repo_id") == REPO_ID

@@ -1,8 +1,10 @@
 """The recipe driver: stages in order from configs, done markers, a deadline that stops cleanly, resume, refusals."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,23 +38,48 @@ def _write_recipe(folder, steps=300):
 
 
 @pytest.mark.slow
-def test_deadline_stops_cleanly_and_the_same_command_resumes_to_the_end(tmp_path):
-    recipe, work = _write_recipe(tmp_path / "r"), str(tmp_path / "work")
+def test_a_signal_stops_cleanly_and_the_same_command_resumes_to_the_end(tmp_path):
+    """SIGTERM to the driver (what a preempting scheduler or the deadline does) stops training at a checkpoint with
+    exit 3; the same command resumes from it. The signal goes once training has checkpointed, so the test does not
+    race the machine's speed."""
+    recipe, work = _write_recipe(tmp_path / "r", steps=600), str(tmp_path / "work")
     r = _driver("--recipe", recipe, "--work", work, "--until", "shards", "--collect-args=--no-ray")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(os.listdir(os.path.join(work, "done"))) == ["shards.json"]
-    r = _driver("--recipe", recipe, "--work", work, "--deadline", "20", "--train-args=--no-progress")
-    assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]                 # stopped in the middle of training
-    assert "stage shards: done before, skipped" in r.stderr
-    assert "run the same command again to continue" in r.stderr
+    cmd = ["--recipe", recipe, "--work", work, "--train-args=--no-progress"]
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.recipe", *cmd], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"})
+    latest, t0 = os.path.join(work, "run", "checkpoints", "latest.json"), time.time()
+    while not os.path.isfile(latest) and proc.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3, out[-3000:] + err[-3000:]                          # stopped in the middle of training
+    assert "stage shards: done before, skipped" in err
+    assert "stopped by SIGTERM" in err and "run the same command again to continue" in err
     assert sorted(os.listdir(os.path.join(work, "done"))) == ["shards.json"]
     assert os.path.isfile(os.path.join(work, "configs", "weaver.yaml"))              # the resolved config, kept
-    r = _driver("--recipe", recipe, "--work", work, "--train-args=--no-progress")
+    r = _driver(*cmd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(os.path.join(work, "run", "summary.json")) as f:
         assert json.load(f)["resumed_from"] > 0                                     # from the stop's checkpoint
     assert sorted(os.listdir(os.path.join(work, "done"))) == ["artifact.json", "shards.json", "weaver.json"]
     assert os.path.isfile(os.path.join(work, "artifact", "model.safetensors"))
+
+
+def test_the_deadline_stops_a_running_stage_and_marks_nothing_done(tmp_path):
+    from pipelines.recipe.__main__ import STOPPED, StopRequest, run_stage
+    t0 = time.time()
+    rc = run_stage([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(120)"],
+                   StopRequest(1.0), str(tmp_path / "log"))
+    assert rc == STOPPED and time.time() - t0 < 60
+    assert "started" in (tmp_path / "log").read_text()
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("stages: [{name: a, kind: prompts, args: {out: x}}]")
+    r = _driver("--recipe", str(ok), "--work", str(tmp_path / "w"), "--deadline", "0.001")
+    assert r.returncode == 3 and "stopped by the deadline" in r.stderr, r.stderr[-2000:]
+    assert os.listdir(tmp_path / "w" / "done") == []
 
 
 def test_bad_recipes_are_refused_before_any_stage_runs(tmp_path):

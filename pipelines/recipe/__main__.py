@@ -8,10 +8,11 @@ checkpoint), so the recipe survives preemption and machines that only run for a 
 
   python -m pipelines.recipe --recipe R --work W --deadline 540   # stop cleanly after 9 minutes (exit 3)
 
-At the deadline the running stage gets SIGTERM (train checkpoints at the next step and exits 143) and the recipe
-exits with code 3: run the same command again to continue. `--until NAME` stops after stage NAME; `--only NAME`
-runs just that stage (its earlier stages must be done). Export stages take the export's options as `args`. Exit codes: 0 all done, 2 bad recipe or a stage failed,
-3 stopped at the deadline.
+At the deadline, or when the driver itself gets SIGTERM or SIGINT (a preempting scheduler, Ctrl-C), the running
+stage gets SIGTERM (train checkpoints at the next step and exits 143) and the recipe exits with code 3: run the same
+command again to continue. `--until NAME` stops after stage NAME; `--only NAME` runs just that stage (its earlier
+stages must be done). Export stages take the export's options as `args`. Exit codes: 0 all done, 2 bad recipe or
+a stage failed, 3 stopped at the deadline or by a signal.
 """
 from __future__ import annotations
 
@@ -101,9 +102,31 @@ def stage_command(stage: Stage, recipe: Recipe, work: str, extra: dict[str, list
     return py + [f"pipelines.{stage.kind}", "--config", path, *extra.get(stage.kind, [])]
 
 
-def run_stage(cmd: list[str], deadline: float | None, log_path: str) -> int:
-    """Run `cmd`, its output teed to the console and `log_path` as it comes (progress bars included); at the
-    deadline send SIGTERM and wait."""
+class StopRequest:
+    """Why the recipe should stop now, if it should: the deadline passed or the driver got SIGTERM/SIGINT."""
+
+    def __init__(self, deadline_s: float | None = None):
+        self.deadline = time.time() + deadline_s if deadline_s else None
+        self.signal: str | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def reason(self) -> str | None:
+        if self.signal:
+            return self.signal
+        if self.deadline is not None and time.time() >= self.deadline:
+            return "the deadline"
+        return None
+
+
+def run_stage(cmd: list[str], stop: StopRequest, log_path: str) -> int:
+    """Run `cmd`, its output teed to the console and `log_path` as it comes (progress bars included); when `stop`
+    says so (deadline or signal), send the stage SIGTERM, wait for it and return STOPPED."""
     with open(log_path, "ab") as logf:
         logf.write(f"\n$ {' '.join(cmd)}\n".encode())
         logf.flush()
@@ -124,8 +147,8 @@ def run_stage(cmd: list[str], deadline: float | None, log_path: str) -> int:
             if chunk == b"" or proc.poll() is not None:   # end of output, or the stage exited and all it wrote is read
                 proc.wait()
                 break
-            if deadline is not None and not termed and time.time() >= deadline:
-                log.warning("deadline reached: stopping the stage (SIGTERM)")
+            if not termed and stop.reason():
+                log.warning("%s: stopping the stage (SIGTERM)", stop.reason())
                 proc.send_signal(signal.SIGTERM)
                 termed = True
             time.sleep(0.2)
@@ -137,7 +160,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", required=True, help="recipe YAML (stages and their config files)")
     ap.add_argument("--work", required=True, help="work folder: models, prompts, shards, runs, logs")
-    ap.add_argument("--deadline", type=float, default=None, help="seconds from now to stop cleanly (exit 3)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from now to stop cleanly (exit 3); SIGTERM or SIGINT stops the same way")
     ap.add_argument("--until", help="stop after this stage")
     ap.add_argument("--only", help="run only this stage (the ones before it must be done)")
     ap.add_argument("--collect-args", default="", help="extra arguments for collect stages (e.g. --no-ray)")
@@ -155,7 +179,8 @@ def main(argv=None) -> int:
         return 2
     work = os.path.abspath(args.work)
     os.makedirs(os.path.join(work, "done"), exist_ok=True)
-    deadline = time.time() + args.deadline if args.deadline else None
+    stop = StopRequest(args.deadline)
+    stop.install()
     extra = {"collect": args.collect_args.split(), "train": args.train_args.split()}
     for stage in recipe.stages:
         marker = os.path.join(work, "done", stage.name + ".json")
@@ -167,16 +192,17 @@ def main(argv=None) -> int:
         if os.path.isfile(marker):
             log.info("stage %s: done before, skipped", stage.name)
         else:
-            if deadline is not None and time.time() >= deadline:
-                log.warning("deadline reached before stage %s: run the same command again to continue", stage.name)
+            if stop.reason():
+                log.warning("stopped by %s before stage %s: run the same command again to continue", stop.reason(),
+                            stage.name)
                 return STOPPED
             cmd = stage_command(stage, recipe, work, extra)
             log.info("stage %s: %s", stage.name, " ".join(cmd[2:]))
             t0 = time.time()
-            rc = run_stage(cmd, deadline, os.path.join(work, "recipe.log"))
+            rc = run_stage(cmd, stop, os.path.join(work, "recipe.log"))
             if rc in (STOPPED, 143):
-                log.warning("stage %s stopped at the deadline after %.0f s: run the same command again to continue",
-                            stage.name, time.time() - t0)
+                log.warning("stage %s stopped by %s after %.0f s: run the same command again to continue",
+                            stage.name, stop.reason() or "SIGTERM", time.time() - t0)
                 return STOPPED
             if rc != 0:
                 log.error("stage %s failed (exit %d); its output is in %s", stage.name, rc,

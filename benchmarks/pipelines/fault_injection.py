@@ -12,10 +12,8 @@ functions that write (os.replace, torch.save, safetensors' save_file and the tra
 chosen call leaves the file as a kill mid-write would (torn at half its bytes, or written but not renamed), then
 SIGKILLs itself. The wrappers live in this file: the pipelines' code has no test hooks.
 
-One thing outside the pipelines is changed in the children: DeepSpeed's CPU shared-memory op is not loaded
-(deepspeed.comm.torch.build_shm_op returns None). DeepSpeed JIT-loads it at every start under a lock file in
-TORCH_EXTENSIONS_DIR, and a kill while the lock is held leaves it behind: every later DeepSpeed start on the machine
-then waits for it forever. Only inference all-reduces across processes use the op, never a one-process training run.
+Training on the CPU never loads DeepSpeed's JIT-compiled shared-memory op (pipelines.train.loop.init_distributed),
+so a kill cannot leave its build lock behind to hang the next start.
 
 "Identical": collect, the same shard files byte for byte (sha256) and the same manifest.json and
 collect_config.json apart from provenance, output_dir and timings; train, the same final/ and best/ files bit for
@@ -94,13 +92,11 @@ class KillAt:
     def _install_train(self) -> None:
         import io
 
-        import deepspeed.comm.torch
         import safetensors.torch
         import torch
 
         import pipelines.train.checkpoint as checkpoint
         from pipelines.train.loop import MetricsLog
-        deepspeed.comm.torch.build_shm_op = lambda: None              # see the module docstring
         real_save, real_save_file, real_write = torch.save, safetensors.torch.save_file, MetricsLog.write
 
         def save(obj, f, *a, **kw):

@@ -10,6 +10,7 @@ A step whose loss or gradient norm is not finite is skipped by the optimizer bef
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -44,6 +45,12 @@ def init_distributed(device_kind: str) -> tuple[int, int, int]:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if device_kind != "cuda":
+        # DeepSpeed's CPU backend compiles a C++ shared-memory all-reduce op on first use (minutes on a fresh machine,
+        # and a process killed while compiling leaves a lock that hangs every later run); gloo all-reduces CPU
+        # gradients without it.
+        # (importlib: the attribute deepspeed.comm.torch is the torch package that the module imports)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if device_kind == "cuda" else "gloo", verbose=False)
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))

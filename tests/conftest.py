@@ -30,6 +30,7 @@ def pytest_configure(config):
 ONE_WORKER_MODULES = ("test_collect_job", "test_collect_retries", "test_export")
 
 
+@pytest.hookimpl(tryfirst=True)           # before pytest-xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need a CUDA device (not the interpreter); `interpreter` tests run only under the interpreter.
     Slow tests go first, so the long ones start early on the xdist workers and the short ones fill in the end."""

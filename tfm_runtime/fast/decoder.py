@@ -1,0 +1,152 @@
+"""FastDecoder: SpeculativeDecoder's loop on the compact dense target with its static KV cache.
+
+  prefill the prompt (static cache) -> bonus token, DFlash context
+  repeat:  DFlash drafts L marginals from the bonus  ->  proposal tree (chain | ddtree | weaver)
+           DenseModel.verify_tree: one pass writing the nodes' K/V after the committed prefix
+           lossless verification (the reference rules) -> accepted path + bonus    (the one host sync)
+           DenseModel.commit: the accepted nodes' K/V move into place; DFlash reads their tap features
+
+Drafting, tree building, verification rules, sampling order and statistics are the reference decoder's own
+(tfm_runtime.engine), so for the same inputs and generator both decoders emit the same tokens.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tfm_runtime.engine import PROPOSALS, VERIFICATIONS, DecodeStats, GenerationOutput, SpeculativeDecoder, \
+    check_models
+from tfm_runtime.fast.dense import DenseModel
+from tfm_runtime.hub import check_adapter
+from tfm_runtime.models.dflash import DFlashDrafter
+from tfm_runtime.models.target import TargetModel
+from tfm_runtime.models.weaver import Weaver
+from tfm_runtime.sampling import filter_probs
+
+
+class FastDecoder:
+    """Speculative decoding of one request at a time, with SpeculativeDecoder's arguments and `generate` API.
+
+    `target`: a TargetModel or a Hugging Face causal LM (Llama or Qwen3 dense; hybrid GDN targets are refused for
+    now). Its weights are shared with a `DenseModel` whose KV cache holds `max_seq_len` slots (default: the model's
+    max_position_embeddings, at most 4096); a request needs prompt + max_new_tokens + tree_budget slots.
+    `gdn_backend` is accepted for API parity (no GDN layers run here yet). `attention`: see DenseModel.
+    """
+
+    # the reference decoder's rule choice, tree building, verification and stage timing, unchanged
+    _rule = SpeculativeDecoder._rule
+    _tree = SpeculativeDecoder._tree
+    _verify = SpeculativeDecoder._verify
+    _tick = SpeculativeDecoder._tick
+
+    def __init__(self, target, drafter: DFlashDrafter, adapter: Weaver | None = None, *, tree_budget: int = 64,
+                 proposal: str | None = None, verification: str = "auto", expand: int = 8,
+                 width: int | None = None, gdn_backend: str = "auto", max_seq_len: int | None = None,
+                 attention: str = "auto"):
+        if not isinstance(target, TargetModel):
+            target = TargetModel(target, drafter.cfg.target_layer_ids)
+        if target.is_hybrid:
+            raise ValueError(f"FastDecoder runs dense Llama / Qwen3 targets only for now; this "
+                             f"{type(target.model).__name__} has Gated DeltaNet layers: use SpeculativeDecoder")
+        proposal = proposal or ("weaver" if adapter is not None else "ddtree")
+        if proposal not in PROPOSALS:
+            raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
+        if proposal == "weaver" and adapter is None:
+            raise ValueError("proposal='weaver' needs a Weaver adapter (load one with tfm_runtime.load_adapter)")
+        if verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
+        if verification == "chain_sampling" and proposal != "chain":
+            raise ValueError(f"verification='chain_sampling' needs proposal='chain' (drafts sampled from DFlash), "
+                             f"got proposal={proposal!r}")
+        if tree_budget < 1:
+            raise ValueError(f"tree_budget must be >= 1, got {tree_budget}")
+        check_models(target, drafter, adapter)
+        if adapter is not None and adapter.contract is not None:
+            check_adapter(adapter.contract, adapter, target=target, drafter=drafter,
+                          where=f"FastDecoder: adapter {adapter.source or '(built in code)'}")
+        if max_seq_len is None:
+            max_seq_len = min(getattr(target.config, "max_position_embeddings", None) or 4096, 4096)
+        self.target, self.drafter, self.adapter = target, drafter, adapter
+        self.tree_budget, self.proposal, self.verification = tree_budget, proposal, verification
+        self.expand, self.width = expand, width
+        self.model = DenseModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,
+                                        attention=attention)
+
+    def _prompt(self, prompt_ids, max_new_tokens: int, tree_nodes: int) -> torch.Tensor:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.model.device)
+        if prompt.numel() == 0:
+            raise ValueError("prompt_ids is empty: the target needs at least one token to start from")
+        # the last round starts with at most prompt + max_new_tokens - 2 committed tokens and writes its tree after
+        need = prompt.numel() + max_new_tokens + tree_nodes - 2
+        if need > self.model.max_seq_len:
+            raise ValueError(f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) + tree nodes "
+                             f"({tree_nodes}) need {need} cache slots; the static cache has max_seq_len="
+                             f"{self.model.max_seq_len} (pass a larger max_seq_len to FastDecoder)")
+        return prompt
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, eos_token_id: int | None = None, generator: torch.Generator | None = None,
+                 seed: int | None = None) -> GenerationOutput:
+        """prompt_ids: list[int] or LongTensor [T] -> GenerationOutput(new tokens, stats), as SpeculativeDecoder."""
+        prompt = self._prompt(prompt_ids, max_new_tokens, self.tree_budget + 1)
+        if generator is None:
+            generator = torch.Generator().manual_seed(0 if seed is None else seed)
+        rule = self._rule(temperature)
+        stats = DecodeStats(prompt_tokens=prompt.numel())
+        model, dev = self.model, self.model.device
+        t = time.perf_counter()
+        out = model.prefill(prompt)
+        dcache = self.drafter.new_cache()
+        self.drafter.extend_context(dcache, out.taps[None])
+        first = filter_probs(out.logits.double(), temperature, top_k, top_p)[0]
+        bonus = int(first.argmax()) if temperature == 0 else int(torch.multinomial(first.cpu(), 1, generator=generator))
+        h_last, start, new = out.hidden[-1], prompt.numel(), [bonus]
+        t = self._tick(stats, "prefill", t)
+        while len(new) < max_new_tokens and bonus != eos_token_id:
+            draft_logits, draft_hidden = self.drafter.draft(dcache, torch.tensor([bonus], device=dev), model.embed,
+                                                            model.lm_head)
+            t = self._tick(stats, "draft", t)
+            tree, draft_probs = self._tree(bonus, draft_logits[0], draft_hidden[0], h_last, temperature, generator)
+            t = self._tick(stats, "tree", t)
+            out = model.verify_tree(tree.tokens.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev), start)
+            t = self._tick(stats, "verify", t)
+            accepted, bonus = self._verify(rule, tree, out.logits.cpu(), draft_probs, temperature, top_k, top_p,
+                                           generator)
+            idx = torch.as_tensor(accepted, device=dev)
+            model.commit(start, idx)
+            self.drafter.extend_context(dcache, out.taps[idx][None])
+            h_last, start = out.hidden[accepted[-1]], start + len(accepted)
+            new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]
+            stats.accept_lengths.append(len(accepted))
+            stats.tree_sizes.append(tree.num_nodes)
+            t = self._tick(stats, "commit", t)
+        if eos_token_id is not None and eos_token_id in new:
+            new = new[: new.index(eos_token_id) + 1]
+        new = new[:max_new_tokens]
+        stats.new_tokens, stats.verify_steps = len(new), len(stats.accept_lengths)
+        return GenerationOutput(tokens=new, stats=stats)
+
+    @torch.no_grad()
+    def generate_autoregressive(self, prompt_ids, max_new_tokens: int = 256,
+                                eos_token_id: int | None = None) -> GenerationOutput:
+        """Greedy decoding one token per step on the static cache (the AR baseline): the same tokens as the target's
+        greedy `generate`. Tokens stay on the device; without `eos_token_id` nothing is read back until the end."""
+        prompt = self._prompt(prompt_ids, max_new_tokens, 1)
+        stats = DecodeStats(prompt_tokens=prompt.numel())
+        model, dev = self.model, self.model.device
+        t = time.perf_counter()
+        tokens = torch.empty(max(1, max_new_tokens), dtype=torch.long, device=dev)          # [max_new]
+        tokens[:1] = model.prefill(prompt).logits.argmax(-1)
+        pos = torch.full((1,), prompt.numel(), dtype=torch.long, device=dev)               # [1]
+        t = self._tick(stats, "prefill", t)
+        n = 1
+        while n < max_new_tokens and (eos_token_id is None or int(tokens[n - 1]) != eos_token_id):
+            tokens[n:n + 1] = model.decode(tokens[n - 1:n], pos).argmax(-1)
+            pos += 1
+            n += 1
+        new = tokens[:min(n, max_new_tokens)].tolist()
+        t = self._tick(stats, "decode", t)
+        stats.new_tokens = len(new)
+        return GenerationOutput(tokens=new, stats=stats)

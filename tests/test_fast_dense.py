@@ -185,7 +185,7 @@ def test_bad_inputs_are_refused(worlds):
     with pytest.raises(ValueError, match="empty"):
         dec.generate([], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_seq_len=40"):
-        dec.generate(PROMPT, max_new_tokens=30)
+        dec.generate(PROMPT, max_new_tokens=40 - len(PROMPT) - 8 + 2)
     with pytest.raises(ValueError, match="max_seq_len=40"):
         dec.generate_autoregressive(PROMPT, max_new_tokens=40)
     assert len(dec.generate(PROMPT, max_new_tokens=40 - len(PROMPT) - 8 + 1).tokens) == 40 - len(PROMPT) - 8 + 1

@@ -46,9 +46,6 @@ class FastDecoder:
                  attention: str = "auto"):
         if not isinstance(target, TargetModel):
             target = TargetModel(target, drafter.cfg.target_layer_ids)
-        if target.is_hybrid:
-            raise ValueError(f"FastDecoder runs dense Llama / Qwen3 targets only for now; this "
-                             f"{type(target.model).__name__} has Gated DeltaNet layers: use SpeculativeDecoder")
         proposal = proposal or ("weaver" if adapter is not None else "ddtree")
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")

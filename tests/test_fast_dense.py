@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tfm_runtime.engine import SpeculativeDecoder
-from tfm_runtime.fast import DenseConfig, DenseModel, FastDecoder
+from tfm_runtime.fast import DenseConfig, DenseModel, FastDecoder, GraphedDense
+from tfm_runtime.fast.graphs import pad_tree
 from tfm_runtime.models.tree_target import TreeVerifier
 from tfm_runtime.tree import Tree
 from tfm_runtime.verify import verify_greedy
@@ -196,6 +197,45 @@ def test_bad_inputs_are_refused(worlds):
         dec.model.verify_tree(torch.zeros(4, dtype=torch.long), torch.arange(4), torch.ones(4, 4).tril().bool(), 37)
     with pytest.raises(ValueError, match="CUDA only"):
         DenseModel.from_hf(w.target, attention="triton")
+
+
+def test_padded_trees_and_the_cpu_fallback_of_cuda_graphs(small_worlds):
+    """Padding nodes (what a graph of a larger size runs) leave the real nodes' outputs unchanged; without CUDA,
+    GraphedDense runs eagerly and FastDecoder(cuda_graphs=True) decodes as without."""
+    w = small_worlds["llama"]
+    model = DenseModel.from_hf(w.target, max_seq_len=32)
+    tree, _ = branchy_tree([3, 1, 4, 1, 5], 8)
+    anc = tree.ancestor_mask()
+    model.prefill(torch.tensor(SMALL_PROMPT))
+    plain = model.verify_tree(tree.tokens, tree.depths, anc, len(SMALL_PROMPT))
+    padded = model.verify_tree(*pad_tree(tree.tokens, tree.depths, anc, 13), len(SMALL_PROMPT))
+    torch.testing.assert_close(padded.logits[:8], plain.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded.taps[:8], plain.taps, atol=ATOL, rtol=0)
+    graphed = GraphedDense(model, (16,))
+    assert not graphed.enabled and not graphed.graphs
+    kw = dict(tree_budget=16, proposal="ddtree", max_seq_len=64)
+    assert FastDecoder(w.target, w.drafter, cuda_graphs=True, **kw).generate(SMALL_PROMPT, 12).tokens == \
+        FastDecoder(w.target, w.drafter, **kw).generate(SMALL_PROMPT, 12).tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("proposal", ["chain", "ddtree", "weaver"])
+def test_cuda_graphs_equal_eager_on_cuda(proposal):
+    """On CUDA (float32), FastDecoder with CUDA graphs emits the eager fast decoder's and HF's greedy tokens."""
+    w = tiny_world("qwen3", vocab_size=8, candidate_pool=8)
+    for m in (w.target, w.drafter, w.weaver):
+        m.cuda()
+    adapter = w.weaver if proposal == "weaver" else None
+    kw = dict(tree_budget=16, proposal=proposal, max_seq_len=96)
+    graphed = FastDecoder(w.target, w.drafter, adapter, cuda_graphs=True, **kw)
+    assert graphed.runner.enabled and sorted(graphed.runner.graphs) == [1, graphed.max_nodes]
+    eager = FastDecoder(w.target, w.drafter, adapter, **kw)
+    a, b = graphed.generate(SMALL_PROMPT, 24), eager.generate(SMALL_PROMPT, 24)
+    assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths
+    ids = torch.tensor([SMALL_PROMPT], device="cuda")
+    hf = w.target.model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)[0, len(SMALL_PROMPT):].tolist()
+    assert a.tokens == hf == graphed.generate_autoregressive(SMALL_PROMPT, 24).tokens
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ import torch
 from tfm_runtime.engine import PROPOSALS, VERIFICATIONS, DecodeStats, GenerationOutput, SpeculativeDecoder, \
     check_models
 from tfm_runtime.fast.dense import DenseModel
+from tfm_runtime.fast.graphs import GraphedDense
 from tfm_runtime.hub import check_adapter
 from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.target import TargetModel
@@ -32,6 +33,8 @@ class FastDecoder:
     now). Its weights are shared with a `DenseModel` whose KV cache holds `max_seq_len` slots (default: the model's
     max_position_embeddings, at most 4096); a request needs prompt + max_new_tokens + tree_budget slots.
     `gdn_backend` is accepted for API parity (no GDN layers run here yet). `attention`: see DenseModel.
+    `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size) and decode from CUDA
+    graphs captured here (tfm_runtime.fast.graphs); ignored on the CPU.
     """
 
     # the reference decoder's rule choice, tree building, verification and stage timing, unchanged
@@ -43,7 +46,7 @@ class FastDecoder:
     def __init__(self, target, drafter: DFlashDrafter, adapter: Weaver | None = None, *, tree_budget: int = 64,
                  proposal: str | None = None, verification: str = "auto", expand: int = 8,
                  width: int | None = None, gdn_backend: str = "auto", max_seq_len: int | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", cuda_graphs: bool = False):
         if not isinstance(target, TargetModel):
             target = TargetModel(target, drafter.cfg.target_layer_ids)
         proposal = proposal or ("weaver" if adapter is not None else "ddtree")
@@ -69,6 +72,9 @@ class FastDecoder:
         self.expand, self.width = expand, width
         self.model = DenseModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,
                                         attention=attention)
+        # the largest tree a round builds: a chain stops at the drafter's lookahead
+        self.max_nodes = (min(tree_budget, drafter.lookahead) if proposal == "chain" else tree_budget) + 1
+        self.runner = GraphedDense(self.model, (self.max_nodes,)) if cuda_graphs else self.model
 
     def _prompt(self, prompt_ids, max_new_tokens: int, tree_nodes: int) -> torch.Tensor:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.model.device)
@@ -87,12 +93,12 @@ class FastDecoder:
                  top_p: float = 1.0, eos_token_id: int | None = None, generator: torch.Generator | None = None,
                  seed: int | None = None) -> GenerationOutput:
         """prompt_ids: list[int] or LongTensor [T] -> GenerationOutput(new tokens, stats), as SpeculativeDecoder."""
-        prompt = self._prompt(prompt_ids, max_new_tokens, self.tree_budget + 1)
+        prompt = self._prompt(prompt_ids, max_new_tokens, self.max_nodes)
         if generator is None:
             generator = torch.Generator().manual_seed(0 if seed is None else seed)
         rule = self._rule(temperature)
         stats = DecodeStats(prompt_tokens=prompt.numel())
-        model, dev = self.model, self.model.device
+        model, runner, dev = self.model, self.runner, self.model.device
         t = time.perf_counter()
         out = model.prefill(prompt)
         dcache = self.drafter.new_cache()
@@ -107,14 +113,14 @@ class FastDecoder:
             t = self._tick(stats, "draft", t)
             tree, draft_probs = self._tree(bonus, draft_logits[0], draft_hidden[0], h_last, temperature, generator)
             t = self._tick(stats, "tree", t)
-            out = model.verify_tree(tree.tokens.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev), start)
+            out = runner.verify_tree(tree.tokens.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev), start)
             t = self._tick(stats, "verify", t)
             accepted, bonus = self._verify(rule, tree, out.logits.cpu(), draft_probs, temperature, top_k, top_p,
                                            generator)
             idx = torch.as_tensor(accepted, device=dev)
             model.commit(start, idx)
             self.drafter.extend_context(dcache, out.taps[idx][None])
-            h_last, start = out.hidden[accepted[-1]], start + len(accepted)
+            h_last, start = out.hidden[accepted[-1]].clone(), start + len(accepted)   # out may be a graph's
             new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]
             stats.accept_lengths.append(len(accepted))
             stats.tree_sizes.append(tree.num_nodes)
@@ -140,7 +146,7 @@ class FastDecoder:
         t = self._tick(stats, "prefill", t)
         n = 1
         while n < max_new_tokens and (eos_token_id is None or int(tokens[n - 1]) != eos_token_id):
-            tokens[n:n + 1] = model.decode(tokens[n - 1:n], pos).argmax(-1)
+            tokens[n:n + 1] = self.runner.decode(tokens[n - 1:n], pos).argmax(-1)
             pos += 1
             n += 1
         new = tokens[:min(n, max_new_tokens)].tolist()

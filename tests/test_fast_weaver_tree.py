@@ -85,7 +85,7 @@ CASES = [
 @pytest.mark.parametrize("budget,expand,width,K,L,lookahead,B,dtype", CASES)
 @pytest.mark.parametrize("variant", ["plain", "ties", "invalid"])
 def test_equals_reference(budget, expand, width, K, L, lookahead, B, dtype, variant):
-    for seed in range(3):
+    for seed in range(2):
         builder, out, ref = build_both(seed, budget, expand, width, dtype=dtype, B=B, L=L, K=K, lookahead=lookahead,
                                        ties=variant == "ties", invalid=variant == "invalid")
         assert_same(out, ref, TOL[dtype])
@@ -98,7 +98,7 @@ def test_equals_reference(budget, expand, width, K, L, lookahead, B, dtype, vari
 def test_ties_go_to_the_earlier_push():
     """Zero residual, DFlash logits 0/1/2: many children of different parents share a score; the tree places them
     in push order exactly as the heap does, across several rows and widths (and would not with the order reversed)."""
-    for seed in range(4):
+    for seed in range(3):
         for width in (1, 3, 4):
             _, out, ref = build_both(seed, 20, expand=4, width=width, ties=True, B=3, K=6)
             assert_same(out, ref, atol=0)
@@ -181,17 +181,26 @@ def test_rejects_bad_shapes_and_cpu_capture():
         builder.capture(roots, h, u, ids, logits)
     with pytest.raises(ValueError, match="budget"):
         StaticWeaverTreeBuilder(w, E, W, 0, K=10, L=6, batch=2)
+    with pytest.raises(ValueError, match="rounds"):
+        StaticWeaverTreeBuilder(w, E, W, 8, K=10, L=6, batch=2, rounds=-1)
 
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_equals_reference():
-    """Captured once, replayed on new inputs: the reference's trees (float32), no synchronisation while capturing."""
+    """An eager CUDA build synchronises nowhere; captured once and replayed on new inputs (and new Weaver weights,
+    copied in place), the builder gives the reference's trees (float32)."""
     w, E, W, roots, h, u, ids, logits = world(0, dtype=torch.float32, B=2, L=6, K=12, device="cuda")
     builder = StaticWeaverTreeBuilder(w, E, W, 64, K=12, L=6, batch=2)
+    builder.build(roots, h, u, ids, logits)                             # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        builder.build(roots, h, u, ids, logits)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     builder.capture(roots, h, u, ids, logits)
     for seed in (1, 2):
-        _, _, _, roots, h, u, ids, logits = world(seed, dtype=torch.float32, B=2, L=6, K=12, device="cuda")
-        w2 = world(seed, dtype=torch.float32, B=2, L=6, K=12, device="cuda")[0]
+        w2, _, _, roots, h, u, ids, logits = world(seed, dtype=torch.float32, B=2, L=6, K=12, device="cuda")
         w.load_state_dict(w2.state_dict())
         out = builder.build(roots, h, u, ids, logits)
         torch.cuda.synchronize()

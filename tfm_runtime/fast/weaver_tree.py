@@ -1,7 +1,7 @@
 """The Weaver tree build as a fixed sequence of batched tensor steps: no per-node Python, no host synchronisation.
 
-`StaticWeaverTreeBuilder` builds, for B rows at once, exactly the trees `tfm_runtime.weaver_tree.build_weaver_trees`
-builds (same nodes in the same order, same parents, depths and log q, ties broken the same way), with every buffer
+`StaticWeaverTreeBuilder` builds, for B rows at once, the trees `tfm_runtime.weaver_tree.build_weaver_trees` builds
+(the same nodes in the same order, the same parents, depths and log q, ties broken the same way), with every buffer
 allocated once on the builder, so that one build can be captured in a CUDA graph and replayed.
 
 The reference grows each tree best-first from a heap: it pops up to `width` entries by (highest score, earliest
@@ -24,8 +24,11 @@ children (E = min(expand, K)). Here every tree runs the same fixed number R of r
 Insertion order is a counter per step, slot and child rank, (step * width + w) * E + j: the order in which the
 reference's heap pushes (it skips the invalid children, which does not change the relative order), so equal
 scores go to the earlier push as in the heap. Scores are float64 sums of the float64 log q of each step, as the
-reference's Python floats; log q itself is what `Weaver.score` returns for the same K/V, so trees that match step
-for step match exactly.
+reference's Python floats. Each node's Weaver step sees the keys the reference's step sees for it (the prefix, its
+ancestors' slots, itself). The reference sizes a step by the row that expands most nodes, so where its step is
+narrower than `width` the same keys sit at other offsets and products of other shapes can round the last bit of
+log q differently (the reference's own log q for a row moves the same way with the other rows of its batch);
+where every reference step is `width` wide, log q is equal bit for bit.
 
 Why R depends on L as well: the reference places fewer than `width` nodes in a round when its frontier holds fewer
 entries ("short" rounds: expand < width, invalid candidates, nodes at depth L that expand nothing), so its round
@@ -111,8 +114,8 @@ class StaticWeaverTreeBuilder:
     def __init__(self, weaver: Weaver, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, budget: int, *,
                  K: int, L: int, batch: int, expand: int = 8, width: int | None = None, rounds: int | None = None,
                  device=None, dtype=None):
-        if budget < 1:
-            raise ValueError(f"budget must be >= 1, got {budget}")
+        if budget < 1 or (rounds is not None and rounds < 1):
+            raise ValueError(f"budget and rounds must be >= 1, got budget={budget}, rounds={rounds}")
         width = width or max(1, math.ceil(budget / 16))
         if min(width, expand, K, L, batch) < 1 or min(L, weaver.cfg.lookahead) < 1:
             raise ValueError(f"width, expand, K, L, batch and the Weaver lookahead must be >= 1, got width={width}, "

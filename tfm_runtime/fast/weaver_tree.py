@@ -41,10 +41,10 @@ the trees it may have cut short in `truncated`.
 Tensors on the builder (B rows, N = budget, Wd = width, E = children per node, K candidates, L depths,
 R rounds, S = 1 + (R-1) Wd K/V slots, P = 1 + R Wd placement slots, M = N + Wd E frontier entries):
 
-    state.k[i], state.v[i]  [B, nh, 1+L+S, hd]  Weaver K/V per layer: the prefix, then the node slots (WeaverState.static)
+    state.k[i], state.v[i]  [B, nh, 1+L+S, hd]  Weaver K/V per layer (WeaverState.static): the prefix, then the slots
     visible                 [B, S, S] bool      row s: the K/V slots of the strict ancestors of the node in slot s
-    front_int               [B, M, 4] long      frontier (order, parent slot, token, depth); rows 0..N-1 kept entries in
-                                                rank order, rows N.. the children of the last step
+    front_int               [B, M, 4] long      frontier (order, parent slot, token, depth); rows 0..N-1 the kept
+                                                entries in rank order, rows N.. the children of the last step
     front_flt               [B, M, 2] float64   frontier (score, log q); score -inf marks an invalid entry
     slot_int                [B, P, 3] long      placement slots (parent slot, token, depth); slot 0 the root
     slot_flt                [B, P, 2] float64   placement slots (score, log q)
@@ -179,7 +179,8 @@ class StaticWeaverTreeBuilder:
         else:
             for dst, src in zip(self._graph_inputs, inputs):
                 if dst.dtype != src.dtype or dst.shape != src.shape:
-                    raise ValueError(f"captured with {dst.dtype} {tuple(dst.shape)}, got {src.dtype} {tuple(src.shape)}")
+                    raise ValueError(f"captured with {dst.dtype} {tuple(dst.shape)}, "
+                                     f"got {src.dtype} {tuple(src.shape)}")
                 dst.copy_(src)
             self._graph.replay()
         return self.result
@@ -229,7 +230,7 @@ class StaticWeaverTreeBuilder:
         self.slot_placed[:, 0].fill_(True)
         self.count.fill_(1)
         root = roots[:, None]                                                  # [B, 1]
-        h = self.weaver.step(self.state, root, self.root_depth, self.visible[:, :1, :0], self.embed_weight)  # [B, 1, r]
+        h = self.weaver.step(self.state, root, self.root_depth, self.visible[:, :1, :0], self.embed_weight)  # [B,1,r]
         self._push(h, 0, 0, self.root_depth, self.root_active, self.root_score, cand_ids, cand_logits)
         for r in range(1, R + 1):
             s0 = 1 + (r - 1) * Wd                                              # first placement slot of round r
@@ -298,7 +299,9 @@ class StaticWeaverTreeBuilder:
         return ints[..., 2], ints[..., 1], dep, flts[..., 0], placed & (dep < self.L)
 
     def _finish(self, last_active) -> None:
-        """Placement slots -> node rows; `truncated` where entries or expandable nodes are left (last_active [B, Wd])."""
+        """Placement slots -> node rows; `truncated` where entries or expandable nodes are left.
+
+        last_active [B, Wd]: the last round's slots that would expand."""
         N = self.budget
         placed = self.slot_placed                                              # [B, P]
         node = placed.cumsum(1) - 1                                            # [B, P] node id of a placed slot

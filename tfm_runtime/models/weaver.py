@@ -199,7 +199,8 @@ class WeaverState:
             return self.k[layer], self.v[layer]
         start, end = self.prefix_len + self._nodes, self.prefix_len + self._nodes + k.shape[2]
         if end > self.prefix_len + self.capacity:
-            raise ValueError(f"static WeaverState holds {self.capacity} node slots, a step needs {end - self.prefix_len}")
+            raise ValueError(f"static WeaverState holds {self.capacity} node slots, a step needs "
+                             f"{end - self.prefix_len}")
         self.k[layer][:, :, start:end].copy_(k)
         self.v[layer][:, :, start:end].copy_(v)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

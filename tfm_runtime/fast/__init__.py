@@ -1,6 +1,9 @@
-"""Fast backend: compact target models with static caches, and a decoder with SpeculativeDecoder's API."""
+"""Fast backend: compact target models with static caches, shape-static (CUDA-graph capturable) tree building, and
+a decoder with SpeculativeDecoder's API. The reference decoder (tfm_runtime.engine) is its correctness oracle."""
 from tfm_runtime.fast.decoder import FastDecoder
 from tfm_runtime.fast.dense import DenseConfig, DenseModel, DenseOutput
 from tfm_runtime.fast.graphs import GraphedDense
+from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, WeaverTrees, weaver_tree_rounds
 
-__all__ = ["DenseConfig", "DenseModel", "DenseOutput", "FastDecoder", "GraphedDense"]
+__all__ = ["DenseConfig", "DenseModel", "DenseOutput", "FastDecoder", "GraphedDense", "StaticWeaverTreeBuilder",
+           "WeaverTrees", "weaver_tree_rounds"]

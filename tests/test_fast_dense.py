@@ -10,6 +10,7 @@ import torch
 from tfm_runtime.engine import SpeculativeDecoder
 from tfm_runtime.fast import DenseConfig, DenseModel, FastDecoder, GraphedDense
 from tfm_runtime.fast.graphs import pad_tree
+from tfm_runtime.fast.weaver_tree import ancestor_masks, weaver_tree_rounds
 from tfm_runtime.models.tree_target import TreeVerifier
 from tfm_runtime.tree import Tree
 from tfm_runtime.verify import verify_greedy
@@ -137,6 +138,44 @@ def test_sampling_equals_reference_decoder(small_worlds, proposal, verification)
     assert runs[0] != runs[1]                                # the seed matters: these are samples
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_weaver_trees_come_from_the_static_builder(small_worlds, monkeypatch, padded):
+    """FastDecoder builds Weaver trees with its StaticWeaverTreeBuilder (once per round, never the reference builder)
+    and still emits the reference's tokens and statistics, with short rounds (expand < width) in the trees. padded:
+    the trees go to the verify padded to budget + 1 nodes with no host read first (the CUDA-graph path)."""
+    w = small_worlds["llama"]
+    kw = dict(tree_budget=16, proposal="weaver", expand=2, width=4)
+    ref = SpeculativeDecoder(w.target, w.drafter, w.weaver, **kw).generate(SMALL_PROMPT, max_new_tokens=16)
+    dec = FastDecoder(w.target, w.drafter, w.weaver, max_seq_len=64, **kw)
+    dec.pad_weaver_trees = padded
+    b = dec.weaver_builder
+    assert (b.batch, b.budget, b.width, b.E, b.rounds) == (1, 16, 4, 2, weaver_tree_rounds(16, 4, b.L))
+    builds = []
+    real_build = b.build
+    monkeypatch.setattr(b, "build", lambda *a: builds.append(1) or real_build(*a))
+    monkeypatch.setattr("tfm_runtime.engine.build_weaver_tree", None)      # the reference builder is not called
+    out = dec.generate(SMALL_PROMPT, max_new_tokens=16)
+    assert out.tokens == ref.tokens
+    assert out.stats.accept_lengths == ref.stats.accept_lengths and out.stats.tree_sizes == ref.stats.tree_sizes
+    assert len(builds) == out.stats.verify_steps
+    assert max(out.stats.accept_lengths) >= 3
+
+
+def test_ancestor_masks_equal_the_tree_s():
+    """ancestor_masks on padded rows: the real nodes' rows are Tree.ancestor_mask, padding sees only itself."""
+    tree, _ = branchy_tree([3, 1, 4, 1, 5], 8)
+    n, N = tree.num_nodes, 11
+    parents = torch.full((2, N), -1)
+    parents[0, :n] = tree.parents
+    parents[1, :4] = torch.tensor([-1, 0, 1, 2])                                         # a chain of 4
+    masks = ancestor_masks(parents, 4)
+    want = torch.eye(N, dtype=torch.bool)
+    want[:n, :n] = tree.ancestor_mask()
+    assert torch.equal(masks[0], want)
+    assert torch.equal(masks[1, :4, :4], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert torch.equal(masks[1, 4:], torch.eye(N, dtype=torch.bool)[4:])
+
+
 @pytest.mark.parametrize("family", DENSE)
 def test_autoregressive_equals_hf_greedy(worlds, family):
     w = worlds[family]
@@ -221,7 +260,8 @@ def test_padded_trees_and_the_cpu_fallback_of_cuda_graphs(small_worlds):
 @pytest.mark.gpu
 @pytest.mark.parametrize("proposal", ["chain", "ddtree", "weaver"])
 def test_cuda_graphs_equal_eager_on_cuda(proposal):
-    """On CUDA (float32), FastDecoder with CUDA graphs emits the eager fast decoder's and HF's greedy tokens."""
+    """On CUDA (float32), FastDecoder with CUDA graphs (verify, decode, Weaver tree build) emits the eager fast
+    decoder's and HF's greedy tokens."""
     w = tiny_world("qwen3", vocab_size=8, candidate_pool=8)
     for m in (w.target, w.drafter, w.weaver):
         m.cuda()
@@ -232,6 +272,10 @@ def test_cuda_graphs_equal_eager_on_cuda(proposal):
     eager = FastDecoder(w.target, w.drafter, adapter, **kw)
     a, b = graphed.generate(SMALL_PROMPT, 24), eager.generate(SMALL_PROMPT, 24)
     assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths
+    assert a.stats.tree_sizes == b.stats.tree_sizes
+    if proposal == "weaver":                      # the tree build replays its graph, trees go in padded
+        assert graphed.weaver_builder._graph is not None and graphed.pad_weaver_trees
+        assert eager.weaver_builder._graph is None and not eager.pad_weaver_trees
     ids = torch.tensor([SMALL_PROMPT], device="cuda")
     hf = w.target.model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
                                  eos_token_id=None)[0, len(SMALL_PROMPT):].tolist()

@@ -2,12 +2,14 @@
 
   prefill the prompt (static cache) -> bonus token, DFlash context
   repeat:  DFlash drafts L marginals from the bonus  ->  proposal tree (chain | ddtree | weaver)
+           (Weaver trees: StaticWeaverTreeBuilder on the device, no host reads until after the verify)
            DenseModel.verify_tree: one pass writing the nodes' K/V after the committed prefix
            lossless verification (the reference rules) -> accepted path + bonus    (the one host sync)
            DenseModel.commit: the accepted nodes' K/V move into place; DFlash reads their tap features
 
-Drafting, tree building, verification rules, sampling order and statistics are the reference decoder's own
-(tfm_runtime.engine), so for the same inputs and generator both decoders emit the same tokens.
+Drafting, chain / DDTree building, verification rules, sampling order and statistics are the reference decoder's
+own (tfm_runtime.engine); Weaver trees come from StaticWeaverTreeBuilder, which builds the reference's trees. So for
+the same inputs and generator both decoders emit the same tokens.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tfm_runtime.engine import PROPOSALS, VERIFICATIONS, DecodeStats, Generation
     check_models
 from tfm_runtime.fast.dense import DenseModel
 from tfm_runtime.fast.graphs import GraphedDense
+from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
 from tfm_runtime.hub import check_adapter
 from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.target import TargetModel
@@ -34,7 +37,10 @@ class FastDecoder:
     max_position_embeddings, at most 4096); a request needs prompt + max_new_tokens + tree_budget slots.
     `gdn_backend` is accepted for API parity (no GDN layers run here yet). `attention`: see DenseModel.
     `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size) and decode from CUDA
-    graphs captured here (tfm_runtime.fast.graphs); ignored on the CPU.
+    graphs captured here (tfm_runtime.fast.graphs), and the Weaver tree build from a graph captured at its first
+    build; ignored on the CPU.
+    Weaver trees: one StaticWeaverTreeBuilder (batch 1) built here; `weaver_rounds` its round count (default: the
+    worst case, so every tree is the reference's; fewer rounds may cut trees short, see tfm_runtime.fast.weaver_tree).
     """
 
     # the reference decoder's rule choice, tree building, verification and stage timing, unchanged
@@ -46,7 +52,7 @@ class FastDecoder:
     def __init__(self, target, drafter: DFlashDrafter, adapter: Weaver | None = None, *, tree_budget: int = 64,
                  proposal: str | None = None, verification: str = "auto", expand: int = 8,
                  width: int | None = None, gdn_backend: str = "auto", max_seq_len: int | None = None,
-                 attention: str = "auto", cuda_graphs: bool = False):
+                 attention: str = "auto", cuda_graphs: bool = False, weaver_rounds: int | None = None):
         if not isinstance(target, TargetModel):
             target = TargetModel(target, drafter.cfg.target_layer_ids)
         proposal = proposal or ("weaver" if adapter is not None else "ddtree")
@@ -75,6 +81,15 @@ class FastDecoder:
         # the largest tree a round builds: a chain stops at the drafter's lookahead
         self.max_nodes = (min(tree_budget, drafter.lookahead) if proposal == "chain" else tree_budget) + 1
         self.runner = GraphedDense(self.model, (self.max_nodes,)) if cuda_graphs else self.model
+        self.weaver_builder = None
+        if proposal == "weaver":
+            K = min(adapter.cfg.candidate_pool, target.vocab_size)
+            self.weaver_builder = StaticWeaverTreeBuilder(
+                adapter, target.embed_weight, target.lm_head_weight, tree_budget, K=K, L=drafter.lookahead, batch=1,
+                expand=expand, width=width, rounds=weaver_rounds, device=self.model.device, dtype=self.model.dtype)
+        # graphed verify pads every tree to max_nodes anyway: then Weaver trees go in padded, no host read first
+        self.pad_weaver_trees = isinstance(self.runner, GraphedDense) and self.runner.enabled
+        self.capture_weaver = cuda_graphs and self.model.device.type == "cuda"
 
     def _prompt(self, prompt_ids, max_new_tokens: int, tree_nodes: int) -> torch.Tensor:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.model.device)
@@ -111,12 +126,20 @@ class FastDecoder:
             draft_logits, draft_hidden = self.drafter.draft(dcache, torch.tensor([bonus], device=dev), model.embed,
                                                             model.lm_head)
             t = self._tick(stats, "draft", t)
-            tree, draft_probs = self._tree(bonus, draft_logits[0], draft_hidden[0], h_last, temperature, generator)
+            if self.weaver_builder is None:
+                tree, draft_probs = self._tree(bonus, draft_logits[0], draft_hidden[0], h_last, temperature,
+                                               generator)
+                nodes = (tree.tokens.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev))
+            else:
+                tree, draft_probs = None, None
+                nodes = self._weaver_nodes(bonus, draft_logits[0], draft_hidden[0], h_last)
             t = self._tick(stats, "tree", t)
-            out = runner.verify_tree(tree.tokens.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev), start)
+            out = runner.verify_tree(*nodes, start)
+            if tree is None:                                  # the Weaver tree on the host, for the verify rules
+                tree = self.weaver_builder.result.tree(0).to("cpu")
             t = self._tick(stats, "verify", t)
-            accepted, bonus = self._verify(rule, tree, out.logits.cpu(), draft_probs, temperature, top_k, top_p,
-                                           generator)
+            accepted, bonus = self._verify(rule, tree, out.logits[:tree.num_nodes].cpu(), draft_probs, temperature,
+                                           top_k, top_p, generator)
             idx = torch.as_tensor(accepted, device=dev)
             model.commit(start, idx)
             self.drafter.extend_context(dcache, out.taps[idx][None])
@@ -130,6 +153,21 @@ class FastDecoder:
         new = new[:max_new_tokens]
         stats.new_tokens, stats.verify_steps = len(new), len(stats.accept_lengths)
         return GenerationOutput(tokens=new, stats=stats)
+
+    def _weaver_nodes(self, bonus: int, draft_logits, draft_hidden, h_last):
+        """draft_logits [L, V], draft_hidden [L, H], h_last [H] -> the Weaver tree's (tokens [n], depths [n],
+        ancestor mask [n, n]) on the device, built by the static builder. n = budget + 1 (padding nodes see only
+        themselves) when the verify pads trees anyway, else the tree's node count (read on the host)."""
+        b = self.weaver_builder
+        cand_logits, cand_ids = draft_logits.topk(b.K, dim=-1)                             # [L, K]
+        inputs = (torch.tensor([bonus], device=self.model.device), h_last[None], draft_hidden[None], cand_ids[None],
+                  cand_logits[None])
+        if self.capture_weaver and b._graph is None:
+            b.capture(*inputs)
+        trees = b.build(*inputs)                        # rows [1, N+1]
+        n = trees.tokens.shape[1] if self.pad_weaver_trees else int(trees.num_nodes[0])
+        anc = ancestor_masks(trees.parents[:, :n], b.L)[0]                                 # [n, n]
+        return trees.tokens[0, :n], trees.depths[0, :n], anc
 
     @torch.no_grad()
     def generate_autoregressive(self, prompt_ids, max_new_tokens: int = 256,

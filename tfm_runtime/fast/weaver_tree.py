@@ -315,3 +315,18 @@ class StaticWeaverTreeBuilder:
         self.num_nodes.copy_(placed.sum(1))
         left = (self.front_flt[:, :N, 0] > -math.inf).any(1) | last_active.any(1)   # [B]
         torch.logical_and(self.num_nodes < N + 1, left, out=self.truncated)
+
+
+def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents [B, N] long (-1 at roots and padding) -> [B, N, N] bool, inclusive: row i is True at i and its
+    ancestors. `max_depth` walks up (the deepest node's depth, e.g. the lookahead L); no host reads, so a padded
+    row of `WeaverTrees` gives its padding nodes a row that sees only themselves (as `graphs.pad_tree`)."""
+    B, N = parents.shape
+    mask = torch.eye(N, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)          # [B, N, N]
+    up = parents                                                                          # [B, N] ancestor so far
+    for _ in range(max_depth):
+        live = up >= 0                                                                    # [B, N]
+        at = up.clamp(min=0)[..., None]                                                   # [B, N, 1]
+        mask.scatter_(2, at, mask.gather(2, at) | live[..., None])
+        up = torch.where(live, parents.gather(1, up.clamp(min=0)), up)
+    return mask

@@ -1,0 +1,31 @@
+"""benchmarks/runtime/runtime_bench.py --smoke: every engine's row on the tiny world (CPU), the tree-build timing, the
+ratios and the greedy cross-check of FastDecoder against SpeculativeDecoder."""
+import json
+
+from benchmarks.runtime import runtime_bench
+
+
+def test_smoke_rows(tmp_path):
+    out = tmp_path / "runtime.json"
+    assert runtime_bench.main(["--smoke", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert list(res)[:2] == ["env", "setup"] and res["setup"]["smoke"]
+    rows, n = res["rows"], res["setup"]["new_tokens"] * res["setup"]["num_prompts"]
+    got = {(r["engine"], r.get("budget")) for r in rows}
+    want = {("ours ar", None), ("hf static eager", None)} | {(f"ours {p}", b) for p in ("chain", "ddtree", "weaver")
+                                                              for b in (4, 8)}
+    assert got == want                                          # no compiled HF row and no CUDA graphs on the CPU
+    for r in rows:
+        assert r["new_tokens"] == n and r["tokens_per_s"] > 0 and r["ms_per_token"] > 0, r
+        if r["engine"].startswith("ours "):
+            assert r["cuda_graphs"] is False and r["step_ms"] > 0
+        if r["engine"] in ("ours chain", "ours ddtree", "ours weaver"):
+            assert set(r["stage_ms"]) == {"draft", "tree", "verify", "commit"} and r["acceptance_length"] >= 1
+    build = res["tree_build"]
+    assert build["budget"] == 8 and build["equals_reference"] and build["static_eager_ms"] > 0
+    assert "static_captured_ms" not in build
+    ratios = res["ratios"]
+    assert ratios["ar_over_hf_static_compiled"]["value"] is None and ratios["tree_build_ms_captured"]["met"] is None
+    assert ratios["weaver_step_over_ar_step"]["value"] > 0
+    check = res["crosscheck"]
+    assert check["cases"] == 3 and check["identical"] == 3 and check["ar_identical"] == 1 and not check["mismatches"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session for the fast runtime (issue "Fast runtime", benchmark 1): the fast backend's GPU tests, then
+# One GPU session for the fast runtime (issue "Fast runtime", benchmark 1): the fast backend's GPU-marked tests, then
 # benchmarks.runtime.runtime_bench on SmolLM2-135M (random weights in its shape unless TARGET / ADAPTER name
 # prepared folders), batch 1, T = 0. About 6-8 minutes on an H200; carry .whl (transformers >= 5.24).
 #
@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" TOKENIZER
 python3 -m benchmarks.gpu.wheels /root/site transformers >/tmp/wheels.log 2>&1 || cat /tmp/wheels.log
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
 
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fast_dense.py tests/test_fast_weaver_tree.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_dense.py tests/test_fast_weaver_tree.py \
   >"$OUT/tests.log" 2>&1
 echo "tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/session.txt"
 

@@ -27,6 +27,7 @@ little; step times and stage times do not depend on weight values.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -186,6 +187,20 @@ def hf_call(model, n_max: int, compiled: bool):
                              do_sample=False, cache_implementation="static", pad_token_id=pad, **kw)
         return out[0, ids.shape[1]:].tolist(), None
     return call
+
+
+@contextlib.contextmanager
+def no_tap_hooks(target):
+    """The plain HF model for the HF rows: TargetModel's forward hooks on its tap layers are off meanwhile (they store
+    each layer's output, which torch.compile would have to trace)."""
+    saved = [(layer, dict(layer._forward_hooks)) for layer in target.base.layers]
+    for layer, _ in saved:
+        layer._forward_hooks.clear()
+    try:
+        yield
+    finally:
+        for layer, hooks in saved:
+            layer._forward_hooks.update(hooks)
 
 
 def median_ms(fn, dev, reps: int) -> float:
@@ -376,9 +391,10 @@ def main(argv=None) -> int:
         model = target.model
         eos = model.generation_config.eos_token_id
         model.generation_config.eos_token_id = None                      # every engine generates exactly n tokens
-        add(run_engine("hf static eager", hf_call(model, seq, False), prompts, n, dev)[0])
-        if dev.type == "cuda":
-            add(run_engine("hf static compiled", hf_call(model, seq, True), prompts, n, dev)[0])
+        with no_tap_hooks(target):
+            add(run_engine("hf static eager", hf_call(model, seq, False), prompts, n, dev)[0])
+            if dev.type == "cuda":
+                add(run_engine("hf static compiled", hf_call(model, seq, True), prompts, n, dev)[0])
         model.generation_config.eos_token_id = eos
         for proposal in ("chain", "ddtree", "weaver"):
             for budget in args.budgets:

@@ -139,21 +139,30 @@ def test_sampling_equals_reference_decoder(small_worlds, proposal, verification)
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_weaver_trees_come_from_the_static_builder(small_worlds, monkeypatch, padded):
-    """FastDecoder builds Weaver trees with its StaticWeaverTreeBuilder (once per round, never the reference builder)
-    and still emits the reference's tokens and statistics, with short rounds (expand < width) in the trees. padded:
-    the trees go to the verify padded to budget + 1 nodes with no host read first (the CUDA-graph path)."""
+@pytest.mark.parametrize("proposal", ["ddtree", "weaver"])
+def test_trees_come_from_the_static_builders(small_worlds, monkeypatch, proposal, padded):
+    """FastDecoder builds DDTrees and Weaver trees with its static builders (once per round, never the reference
+    builders) and still emits the reference's tokens and statistics; the Weaver trees have short rounds (expand <
+    width). padded: the trees go to the verify padded to budget + 1 nodes with no host read first (the CUDA-graph
+    path)."""
     w = small_worlds["llama"]
-    kw = dict(tree_budget=16, proposal="weaver", expand=2, width=4)
-    ref = SpeculativeDecoder(w.target, w.drafter, w.weaver, **kw).generate(SMALL_PROMPT, max_new_tokens=16)
-    dec = FastDecoder(w.target, w.drafter, w.weaver, max_seq_len=64, **kw)
-    dec.pad_weaver_trees = padded
-    b = dec.weaver_builder
-    assert (b.batch, b.budget, b.width, b.E, b.rounds) == (1, 16, 4, 2, weaver_tree_rounds(16, 4, b.L))
+    adapter = w.weaver if proposal == "weaver" else None
+    kw = dict(tree_budget=16 if proposal == "weaver" else 32, proposal=proposal, expand=2, width=4)
+    ref = SpeculativeDecoder(w.target, w.drafter, adapter, **kw).generate(SMALL_PROMPT, max_new_tokens=16)
+    dec = FastDecoder(w.target, w.drafter, adapter, max_seq_len=64, **kw)
+    dec.pad_trees = padded
+    if proposal == "weaver":
+        b = dec.weaver_builder
+        assert dec.ddtree_builder is None
+        assert (b.batch, b.budget, b.width, b.E, b.rounds) == (1, 16, 4, 2, weaver_tree_rounds(16, 4, b.L))
+    else:
+        b = dec.ddtree_builder
+        assert dec.weaver_builder is None and (b.budget, b.L, b.V) == (32, w.drafter.lookahead, 8)
     builds = []
     real_build = b.build
     monkeypatch.setattr(b, "build", lambda *a: builds.append(1) or real_build(*a))
-    monkeypatch.setattr("tfm_runtime.engine.build_weaver_tree", None)      # the reference builder is not called
+    monkeypatch.setattr("tfm_runtime.engine.build_weaver_tree", None)      # the reference builders are not called
+    monkeypatch.setattr("tfm_runtime.engine.build_ddtree", None)
     out = dec.generate(SMALL_PROMPT, max_new_tokens=16)
     assert out.tokens == ref.tokens
     assert out.stats.accept_lengths == ref.stats.accept_lengths and out.stats.tree_sizes == ref.stats.tree_sizes
@@ -274,8 +283,8 @@ def test_cuda_graphs_equal_eager_on_cuda(proposal):
     assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths
     assert a.stats.tree_sizes == b.stats.tree_sizes
     if proposal == "weaver":                      # the tree build replays its graph, trees go in padded
-        assert graphed.weaver_builder._graph is not None and graphed.pad_weaver_trees
-        assert eager.weaver_builder._graph is None and not eager.pad_weaver_trees
+        assert graphed.weaver_builder._graph is not None and graphed.pad_trees
+        assert eager.weaver_builder._graph is None and not eager.pad_trees
     ids = torch.tensor([SMALL_PROMPT], device="cuda")
     hf = w.target.model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
                                  eos_token_id=None)[0, len(SMALL_PROMPT):].tolist()

@@ -23,7 +23,8 @@ def test_smoke_rows(tmp_path):
             assert set(r["stage_ms"]) == {"draft", "tree", "verify", "commit"} and r["acceptance_length"] >= 1
     build = res["tree_build"]
     assert build["budget"] == 8 and build["equals_reference"] and build["static_eager_ms"] > 0
-    assert "static_captured_ms" not in build
+    assert build["ddtree_equals_reference"] and build["ddtree_static_eager_ms"] > 0
+    assert "static_captured_ms" not in build and "ddtree_static_captured_ms" not in build
     ratios = res["ratios"]
     assert ratios["ar_over_hf_static_compiled"]["value"] is None and ratios["tree_build_ms_captured"]["met"] is None
     assert ratios["weaver_step_over_ar_step"]["value"] > 0

@@ -18,9 +18,10 @@ tokens/s = new tokens / wall seconds of the calls (prefill included), ms/token i
   hf static compiled  the same with its forward under torch.compile(mode="reduce-overhead") (CUDA graphs; CUDA only)
   ours chain|ddtree|weaver  FastDecoder at budgets 16/32/64 (chain: min(budget, L) drafts), with and without CUDA
                       graphs; `step_ms` = one draft-tree-verify-commit step, `stage_ms` per step from DecodeStats
-Also: the Weaver tree build alone at budget 64 (`tree_build`: the static builder eager and captured, and the
-reference builder), the issue's ratios with their goals (`ratios`), and a greedy cross-check (`crosscheck`):
-FastDecoder's tokens, acceptance lengths and tree sizes against SpeculativeDecoder's on `--check-prompts` prompts, in float32.
+Also: the tree builds alone at budget 64 (`tree_build`: the static Weaver and DDTree builders eager and captured,
+and the reference builders), the issue's ratios with their goals (`ratios`), and a greedy cross-check (`crosscheck`):
+FastDecoder's tokens, acceptance lengths and tree sizes against SpeculativeDecoder's on `--check-prompts` prompts,
+in float32.
 With random weights acceptance lengths are about 1 (nothing predicts a random target), so speculative tokens/s says
 little; step times and stage times do not depend on weight values.
 """
@@ -37,7 +38,7 @@ import time
 
 import torch
 
-from benchmarks.common import env, write_results
+from benchmarks.common import env, time_calls, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(ROOT, "benchmarks", "data")
@@ -212,8 +213,10 @@ def median_ms(fn, dev, reps: int) -> float:
 
 
 def tree_build(target, drafter, weaver, budget: int, dev, reps: int) -> dict:
-    """The Weaver tree build alone at `budget` on random DFlash inputs: the static builder eager and captured (CUDA),
-    the reference builder, and the reference DDTree build for comparison (median ms per build)."""
+    """The tree builds alone at `budget` on random DFlash inputs (median ms per build): the static Weaver builder
+    eager and captured (CUDA), the reference Weaver builder, the static DDTree builder eager and replayed from a CUDA
+    graph, the reference DDTree builder; whether each static tree equals the reference's."""
+    from tfm_runtime.fast.ddtree import StaticDDTreeBuilder
     from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder
     from tfm_runtime.tree import build_ddtree
     from tfm_runtime.weaver_tree import build_weaver_tree
@@ -241,6 +244,14 @@ def tree_build(target, drafter, weaver, budget: int, dev, reps: int) -> dict:
         weaver, 0, h[0], u[0], cand_ids[0], cand_logits[0], budget, embed_weight=emb, lm_head_weight=head), dev,
         max(1, reps // 5)), 4)
     res["ddtree_reference_ms"] = round(median_ms(lambda: build_ddtree(0, logits[0], budget), dev, reps), 4)
+    ddb = StaticDDTreeBuilder(budget, L, V, dev)
+    res["ddtree_equals_reference"] = (ddb.build(roots, logits[0]).tree(0).to("cpu").tokens.tolist() ==
+                                      build_ddtree(0, logits[0], budget).tokens.tolist())
+    res["ddtree_static_eager_ms"] = round(median_ms(lambda: ddb.build(roots, logits[0]), dev, reps), 4)
+    if dev.type == "cuda":
+        t = time_calls([lambda: ddb.build(roots, logits[0])])             # replayed from one CUDA graph
+        res["ddtree_static_captured_ms"] = round(t["us"] / 1e3, 4)
+        res["ddtree_static_captured_method"] = t["method"]
     if dev.type == "cuda":
         b.capture(*inputs)
         res["static_captured_ms"] = round(median_ms(lambda: b.build(*inputs), dev, reps), 4)
@@ -259,7 +270,8 @@ def tree_build(target, drafter, weaver, budget: int, dev, reps: int) -> dict:
 # ---- cross-check --------------------------------------------------------------------------------------------------
 def crosscheck(target, drafter, weaver, prompts, n: int, budget: int, graphs: bool) -> dict:
     """FastDecoder against SpeculativeDecoder, greedy, float32 copies of the three models: tokens, per-step
-    acceptance and tree sizes, per proposal and prompt; the fast AR decoder's tokens against the same greedy continuation."""
+    acceptance and tree sizes, per proposal and prompt; the fast AR decoder's tokens against the same greedy
+    continuation."""
     from tfm_runtime.engine import SpeculativeDecoder
     from tfm_runtime.fast import FastDecoder
     from tfm_runtime.models.target import TargetModel
@@ -327,9 +339,12 @@ def table(result: dict) -> str:
                      f"{(r['step_ms'] if 'step_ms' in r else float('nan')):>9.3f}"
                      f"{r.get('acceptance_length', 1.0):>8.2f}  {stages}")
     b = result["tree_build"]
-    lines.append(f"weaver tree build (budget {b['budget']}, {b['rounds']} rounds): static eager {b['static_eager_ms']} ms"
-                 f", captured {b.get('static_captured_ms')} ms (replay {b.get('static_replay_ms')}), reference "
-                 f"{b['reference_ms']} ms, ddtree reference {b['ddtree_reference_ms']} ms, equal {b['equals_reference']}")
+    lines.append(f"weaver tree build (budget {b['budget']}, {b['rounds']} rounds): static eager "
+                 f"{b['static_eager_ms']} ms, captured {b.get('static_captured_ms')} ms (replay "
+                 f"{b.get('static_replay_ms')}), reference {b['reference_ms']} ms, equal {b['equals_reference']}")
+    lines.append(f"ddtree build (budget {b['budget']}): static eager {b['ddtree_static_eager_ms']} ms, captured "
+                 f"{b.get('ddtree_static_captured_ms')} ms, reference {b['ddtree_reference_ms']} ms, equal "
+                 f"{b['ddtree_equals_reference']}")
     for k, v in result["ratios"].items():
         if k != "note":
             lines.append(f"{k:<42}{str(v['value']):>10}  goal {v['goal']:<9} met {v['met']}")

@@ -2,14 +2,14 @@
 
   prefill the prompt (static cache) -> bonus token, DFlash context
   repeat:  DFlash drafts L marginals from the bonus  ->  proposal tree (chain | ddtree | weaver)
-           (Weaver trees: StaticWeaverTreeBuilder on the device, no host reads until after the verify)
+           (DDTree and Weaver trees: shape-static builders on the device, no host reads until after the verify)
            DenseModel.verify_tree: one pass writing the nodes' K/V after the committed prefix
            lossless verification (the reference rules) -> accepted path + bonus    (the one host sync)
            DenseModel.commit: the accepted nodes' K/V move into place; DFlash reads their tap features
 
-Drafting, chain / DDTree building, verification rules, sampling order and statistics are the reference decoder's
-own (tfm_runtime.engine); Weaver trees come from StaticWeaverTreeBuilder, which builds the reference's trees. So for
-the same inputs and generator both decoders emit the same tokens.
+Drafting, chain building, verification rules, sampling order and statistics are the reference decoder's own
+(tfm_runtime.engine); DDTree and Weaver trees come from StaticDDTreeBuilder and StaticWeaverTreeBuilder, which build
+the reference's trees. So for the same inputs and generator both decoders emit the same tokens.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 
 from tfm_runtime.engine import PROPOSALS, VERIFICATIONS, DecodeStats, GenerationOutput, SpeculativeDecoder, \
     check_models
+from tfm_runtime.fast.ddtree import StaticDDTreeBuilder
 from tfm_runtime.fast.dense import DenseModel
 from tfm_runtime.fast.graphs import GraphedDense
 from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
@@ -39,8 +40,9 @@ class FastDecoder:
     `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size) and decode from CUDA
     graphs captured here (tfm_runtime.fast.graphs), and the Weaver tree build from a graph captured at its first
     build; ignored on the CPU.
-    Weaver trees: one StaticWeaverTreeBuilder (batch 1) built here; `weaver_rounds` its round count (default: the
-    worst case, so every tree is the reference's; fewer rounds may cut trees short, see tfm_runtime.fast.weaver_tree).
+    DDTrees: one StaticDDTreeBuilder built here. Weaver trees: one StaticWeaverTreeBuilder (batch 1) built here,
+    `weaver_rounds` its round count (default: the worst case, so every tree is the reference's; fewer rounds may cut
+    trees short, see tfm_runtime.fast.weaver_tree).
     """
 
     # the reference decoder's rule choice, tree building, verification and stage timing, unchanged
@@ -82,13 +84,15 @@ class FastDecoder:
         self.max_nodes = (min(tree_budget, drafter.lookahead) if proposal == "chain" else tree_budget) + 1
         self.runner = GraphedDense(self.model, (self.max_nodes,)) if cuda_graphs else self.model
         self.weaver_builder = None
+        self.ddtree_builder = StaticDDTreeBuilder(tree_budget, drafter.lookahead, target.vocab_size,
+                                                  self.model.device) if proposal == "ddtree" else None
         if proposal == "weaver":
             K = min(adapter.cfg.candidate_pool, target.vocab_size)
             self.weaver_builder = StaticWeaverTreeBuilder(
                 adapter, target.embed_weight, target.lm_head_weight, tree_budget, K=K, L=drafter.lookahead, batch=1,
                 expand=expand, width=width, rounds=weaver_rounds, device=self.model.device, dtype=self.model.dtype)
-        # graphed verify pads every tree to max_nodes anyway: then Weaver trees go in padded, no host read first
-        self.pad_weaver_trees = isinstance(self.runner, GraphedDense) and self.runner.enabled
+        # graphed verify pads every tree to max_nodes anyway: then static trees go in padded, no host read first
+        self.pad_trees = isinstance(self.runner, GraphedDense) and self.runner.enabled
         self.capture_weaver = cuda_graphs and self.model.device.type == "cuda"
 
     def _prompt(self, prompt_ids, max_new_tokens: int, tree_nodes: int) -> torch.Tensor:
@@ -126,17 +130,17 @@ class FastDecoder:
             draft_logits, draft_hidden = self.drafter.draft(dcache, torch.tensor([bonus], device=dev), model.embed,
                                                             model.lm_head)
             t = self._tick(stats, "draft", t)
-            if self.weaver_builder is None:
+            if self.weaver_builder is None and self.ddtree_builder is None:
                 tree, draft_probs = self._tree(bonus, draft_logits[0], draft_hidden[0], h_last, temperature,
                                                generator)
                 nodes = (tree.tokens.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev))
             else:
                 tree, draft_probs = None, None
-                nodes = self._weaver_nodes(bonus, draft_logits[0], draft_hidden[0], h_last)
+                trees, nodes = self._static_tree(bonus, draft_logits[0], draft_hidden[0], h_last)
             t = self._tick(stats, "tree", t)
             out = runner.verify_tree(*nodes, start)
-            if tree is None:                                  # the Weaver tree on the host, for the verify rules
-                tree = self.weaver_builder.result.tree(0).to("cpu")
+            if tree is None:                                  # the tree on the host, for the verify rules
+                tree = trees.tree(0).to("cpu")
             t = self._tick(stats, "verify", t)
             accepted, bonus = self._verify(rule, tree, out.logits[:tree.num_nodes].cpu(), draft_probs, temperature,
                                            top_k, top_p, generator)
@@ -154,20 +158,24 @@ class FastDecoder:
         stats.new_tokens, stats.verify_steps = len(new), len(stats.accept_lengths)
         return GenerationOutput(tokens=new, stats=stats)
 
-    def _weaver_nodes(self, bonus: int, draft_logits, draft_hidden, h_last):
-        """draft_logits [L, V], draft_hidden [L, H], h_last [H] -> the Weaver tree's (tokens [n], depths [n],
-        ancestor mask [n, n]) on the device, built by the static builder. n = budget + 1 (padding nodes see only
-        themselves) when the verify pads trees anyway, else the tree's node count (read on the host)."""
-        b = self.weaver_builder
-        cand_logits, cand_ids = draft_logits.topk(b.K, dim=-1)                             # [L, K]
-        inputs = (torch.tensor([bonus], device=self.model.device), h_last[None], draft_hidden[None], cand_ids[None],
-                  cand_logits[None])
-        if self.capture_weaver and b._graph is None:
-            b.capture(*inputs)
-        trees = b.build(*inputs)                        # rows [1, N+1]
-        n = trees.tokens.shape[1] if self.pad_weaver_trees else int(trees.num_nodes[0])
-        anc = ancestor_masks(trees.parents[:, :n], b.L)[0]                                 # [n, n]
-        return trees.tokens[0, :n], trees.depths[0, :n], anc
+    def _static_tree(self, bonus: int, draft_logits, draft_hidden, h_last):
+        """draft_logits [L, V], draft_hidden [L, H], h_last [H] -> (WeaverTrees of one row [1, N+1], the tree's
+        (tokens [n], depths [n], ancestor mask [n, n]) on the device), built by the static DDTree or Weaver builder.
+        n = N + 1 (padding nodes see only themselves) when the verify pads trees anyway, else the tree's node count
+        (read on the host)."""
+        root = torch.tensor([bonus], device=self.model.device)                             # [1]
+        if self.ddtree_builder is not None:
+            trees = self.ddtree_builder.build(root, draft_logits)
+        else:
+            b = self.weaver_builder
+            cand_logits, cand_ids = draft_logits.topk(b.K, dim=-1)                         # [L, K]
+            inputs = (root, h_last[None], draft_hidden[None], cand_ids[None], cand_logits[None])
+            if self.capture_weaver and b._graph is None:
+                b.capture(*inputs)
+            trees = b.build(*inputs)
+        n = trees.tokens.shape[1] if self.pad_trees else int(trees.num_nodes[0])
+        anc = ancestor_masks(trees.parents[:, :n], self.drafter.lookahead)[0]               # [n, n]
+        return trees, (trees.tokens[0, :n], trees.depths[0, :n], anc)
 
     @torch.no_grad()
     def generate_autoregressive(self, prompt_ids, max_new_tokens: int = 256,

@@ -11,8 +11,8 @@ SmolLM2 recipe's shape, recipes/smollm2/train_weaver.yaml, candidate pool of col
 `--new-tokens` per prompt with EOS ignored, prompts: the first `--prompts` MT-Bench questions chat-templated when
 the package data and the SmolLM2 tokenizer are at hand, else the committed benchmarks/data/smollm2_prompts.json.
 
-Rows (`engine`): every engine decodes the same prompts after one warm-up call (its time: `first_call_s`);
-tokens/s = new tokens / wall seconds of the calls (prefill included), ms/token its inverse.
+Rows (`engine`): every engine decodes the same prompts after one warm-up call (its time: `first_call_s`; compiled HF
+warms up on every prompt); tokens/s = new tokens / wall seconds of the calls (prefill included), ms/token its inverse.
   ours ar             FastDecoder.generate_autoregressive, with and without CUDA graphs; `step_ms` = one decode step
   hf static eager     generate(cache_implementation="static", disable_compile=True)
   hf static compiled  the same with its forward under torch.compile(mode="reduce-overhead") (CUDA graphs; CUDA only)
@@ -142,9 +142,12 @@ def timed(fn, dev: torch.device):
     return out, time.perf_counter() - t
 
 
-def run_engine(name: str, call, prompts, n: int, dev, **keys) -> tuple[dict, list]:
-    """One warm-up call on the first prompt, then every prompt once. call(prompt, n) -> (tokens, DecodeStats|None)."""
+def run_engine(name: str, call, prompts, n: int, dev, warm_all: bool = False, **keys) -> tuple[dict, list]:
+    """One warm-up call on the first prompt (on every prompt with `warm_all`: one compiled shape per prompt length),
+    then every prompt once. call(prompt, n) -> (tokens, DecodeStats or None)."""
     _, first = timed(lambda: call(prompts[0], n), dev)
+    for p in prompts[1:] if warm_all else []:
+        call(p, n)
     outs, secs = [], 0.0
     for p in prompts:
         out, s = timed(lambda: call(p, n), dev)
@@ -409,7 +412,7 @@ def main(argv=None) -> int:
         with no_tap_hooks(target):
             add(run_engine("hf static eager", hf_call(model, seq, False), prompts, n, dev)[0])
             if dev.type == "cuda":
-                add(run_engine("hf static compiled", hf_call(model, seq, True), prompts, n, dev)[0])
+                add(run_engine("hf static compiled", hf_call(model, seq, True), prompts, n, dev, warm_all=True)[0])
         model.generation_config.eos_token_id = eos
         for proposal in ("chain", "ddtree", "weaver"):
             for budget in args.budgets:

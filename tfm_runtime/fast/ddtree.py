@@ -37,7 +37,8 @@ from tfm_runtime.fast.weaver_tree import WeaverTrees
 
 
 class StaticDDTreeBuilder:
-    """DDTree of `budget` draft nodes over L depths of V-way draft logits, shape-static (module docstring)."""
+    """DDTree of `budget` draft nodes over L depths of V-way draft logits, shape-static (module docstring); `capture`
+    records one build in a CUDA graph that later builds replay."""
 
     def __init__(self, budget: int, L: int, V: int, device=None):
         if min(budget, L, V) < 1:
@@ -54,14 +55,52 @@ class StaticDDTreeBuilder:
         self.child_parent = torch.arange(B, **long).repeat_interleave(k)                   # [B*k]
         self.pow = (k + 1) ** torch.arange(self.per - 1, -1, -1, **long)                    # [per]
         self.depth_of = torch.arange(1, L + 1, **long).repeat_interleave(B)               # [L*B]
+        self._graph = None
+        self._graph_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_out: WeaverTrees | None = None
 
     @torch.no_grad()
     def build(self, root: torch.Tensor, draft_logits: torch.Tensor) -> WeaverTrees:
-        """root [1] long (the bonus token); draft_logits [L, V] -> WeaverTrees of one row (fresh tensors)."""
-        L, V, B, k = self.L, self.V, self.budget, self.k
-        if tuple(draft_logits.shape) != (L, V) or tuple(root.shape) != (1,):
-            raise ValueError(f"root must be [1] and draft_logits [{L}, {V}], got {list(root.shape)} and "
+        """root [1] long (the bonus token); draft_logits [L, V] -> WeaverTrees of one row: fresh tensors, or after
+        `capture` the graph's outputs (overwritten by the next build)."""
+        self._check(root, draft_logits)
+        if self._graph is None:
+            return self._build(root, draft_logits)
+        for dst, src in zip(self._graph_inputs, (root, draft_logits)):
+            if dst.dtype != src.dtype or dst.device != src.device:
+                raise ValueError(f"captured with {dst.dtype} on {dst.device}, got {src.dtype} on {src.device}")
+            dst.copy_(src)
+        self._graph.replay()
+        return self._graph_out
+
+    @torch.no_grad()
+    def capture(self, root: torch.Tensor, draft_logits: torch.Tensor, warmup: int = 2) -> None:
+        """Capture one build in a CUDA graph (inputs copied into static buffers shaped like these examples); later
+        `build` calls copy their inputs there and replay it. CUDA only."""
+        self._check(root, draft_logits)
+        if draft_logits.device.type != "cuda":
+            raise RuntimeError("CUDA-graph capture needs a CUDA device; on the CPU `build` runs eagerly")
+        self._graph_inputs = (root.clone(), draft_logits.clone())
+        dev = draft_logits.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):                     # compile kernels and fill the allocator before capture
+            for _ in range(warmup):
+                self._build(*self._graph_inputs)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._graph_out = self._build(*self._graph_inputs)
+        self._graph = graph
+
+    def _check(self, root, draft_logits) -> None:
+        if tuple(draft_logits.shape) != (self.L, self.V) or tuple(root.shape) != (1,):
+            raise ValueError(f"root must be [1] and draft_logits [{self.L}, {self.V}], got {list(root.shape)} and "
                              f"{list(draft_logits.shape)}")
+
+    def _build(self, root: torch.Tensor, draft_logits: torch.Tensor) -> WeaverTrees:
+        """One build (a fixed op sequence, no host reads)."""
+        L, B, k = self.L, self.budget, self.k
         dev = draft_logits.device
         if self.child_rank.device != dev:
             self.child_rank, self.child_parent, self.pow, self.depth_of = (

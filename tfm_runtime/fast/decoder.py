@@ -38,8 +38,8 @@ class FastDecoder:
     max_position_embeddings, at most 4096); a request needs prompt + max_new_tokens + tree_budget slots.
     `gdn_backend` is accepted for API parity (no GDN layers run here yet). `attention`: see DenseModel.
     `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size) and decode from CUDA
-    graphs captured here (tfm_runtime.fast.graphs), and the Weaver tree build from a graph captured at its first
-    build; ignored on the CPU.
+    graphs captured here (tfm_runtime.fast.graphs), and the DDTree / Weaver tree build from a graph captured at its
+    first build; ignored on the CPU.
     DDTrees: one StaticDDTreeBuilder built here. Weaver trees: one StaticWeaverTreeBuilder (batch 1) built here,
     `weaver_rounds` its round count (default: the worst case, so every tree is the reference's; fewer rounds may cut
     trees short, see tfm_runtime.fast.weaver_tree).
@@ -93,7 +93,7 @@ class FastDecoder:
                 expand=expand, width=width, rounds=weaver_rounds, device=self.model.device, dtype=self.model.dtype)
         # graphed verify pads every tree to max_nodes anyway: then static trees go in padded, no host read first
         self.pad_trees = isinstance(self.runner, GraphedDense) and self.runner.enabled
-        self.capture_weaver = cuda_graphs and self.model.device.type == "cuda"
+        self.capture_trees = cuda_graphs and self.model.device.type == "cuda"
 
     def _prompt(self, prompt_ids, max_new_tokens: int, tree_nodes: int) -> torch.Tensor:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.model.device)
@@ -165,14 +165,14 @@ class FastDecoder:
         (read on the host)."""
         root = torch.tensor([bonus], device=self.model.device)                             # [1]
         if self.ddtree_builder is not None:
-            trees = self.ddtree_builder.build(root, draft_logits)
+            b, inputs = self.ddtree_builder, (root, draft_logits)
         else:
             b = self.weaver_builder
             cand_logits, cand_ids = draft_logits.topk(b.K, dim=-1)                         # [L, K]
             inputs = (root, h_last[None], draft_hidden[None], cand_ids[None], cand_logits[None])
-            if self.capture_weaver and b._graph is None:
-                b.capture(*inputs)
-            trees = b.build(*inputs)
+        if self.capture_trees and b._graph is None:
+            b.capture(*inputs)
+        trees = b.build(*inputs)
         n = trees.tokens.shape[1] if self.pad_trees else int(trees.num_nodes[0])
         anc = ancestor_masks(trees.parents[:, :n], self.drafter.lookahead)[0]               # [n, n]
         return trees, (trees.tokens[0, :n], trees.depths[0, :n], anc)

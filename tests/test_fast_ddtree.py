@@ -1,12 +1,12 @@
 """StaticDDTreeBuilder (tfm_runtime/fast/ddtree.py) builds the tree `build_ddtree` builds: same nodes in the same order,
-parents, depths and log q bit for bit, ties and -inf logits included."""
+parents, depths and log q bit for bit, ties and -inf logits included; StaticChainBuilder the greedy `build_chain`."""
 import math
 
 import pytest
 import torch
 
-from tfm_runtime.fast.ddtree import StaticDDTreeBuilder
-from tfm_runtime.tree import build_ddtree
+from tfm_runtime.fast.ddtree import StaticChainBuilder, StaticDDTreeBuilder
+from tfm_runtime.tree import build_chain, build_ddtree
 
 
 def logits_for(seed, L, V, kind, dtype=torch.float32):
@@ -57,6 +57,22 @@ def test_ties_follow_the_rank_path():
              if score[i] == score[j] and ref.parents[i] != ref.parents[j]]
     assert len(pairs) > 10
     assert_same(StaticDDTreeBuilder(40, 6, 8).build(torch.tensor([3]), x), ref)
+
+
+@pytest.mark.parametrize("budget,L", [(1, 5), (5, 5), (16, 7)])
+def test_chain_equals_reference(budget, L):
+    """The greedy chain: min(budget, L) argmax tokens (lowest id on ties), parents and depths in a line, log q the
+    reference's (float32, widened)."""
+    builder = StaticChainBuilder(budget, L, 12)
+    for kind in ("plain", "ties"):
+        x = logits_for(1, L, 12, kind)
+        ref, _ = build_chain(4, x, budget)
+        out = builder.build(torch.tensor([4]), x)
+        n = ref.num_nodes
+        assert int(out.num_nodes[0]) == n == min(budget, L) + 1 and out.tokens.shape == (1, n)
+        assert out.tokens[0].tolist() == ref.tokens.tolist() and out.parents[0].tolist() == ref.parents.tolist()
+        assert out.depths[0].tolist() == ref.depths.tolist()
+        assert out.draft_logprobs[0].tolist() == ref.draft_logprobs.double().tolist()
 
 
 def test_bad_shapes_are_refused():

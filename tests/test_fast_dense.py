@@ -139,15 +139,15 @@ def test_sampling_equals_reference_decoder(small_worlds, proposal, verification)
 
 
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("proposal", ["ddtree", "weaver"])
+@pytest.mark.parametrize("proposal", ["chain", "ddtree", "weaver"])
 def test_trees_come_from_the_static_builders(small_worlds, monkeypatch, proposal, padded):
-    """FastDecoder builds DDTrees and Weaver trees with its static builders (once per round, never the reference
-    builders) and still emits the reference's tokens and statistics; the Weaver trees have short rounds (expand <
-    width). padded: the trees go to the verify padded to budget + 1 nodes with no host read first (the CUDA-graph
-    path)."""
+    """FastDecoder builds greedy chains, DDTrees and Weaver trees with its static builders (once per round, never the
+    reference builders) and still emits the reference's tokens and statistics; the Weaver trees have short rounds
+    (expand < width). padded: the trees go to the verify padded to their largest size with no host read first (the
+    CUDA-graph path)."""
     w = small_worlds["llama"]
     adapter = w.weaver if proposal == "weaver" else None
-    kw = dict(tree_budget=16 if proposal == "weaver" else 32, proposal=proposal, expand=2, width=4)
+    kw = dict(tree_budget={"chain": 8, "ddtree": 32, "weaver": 16}[proposal], proposal=proposal, expand=2, width=4)
     ref = SpeculativeDecoder(w.target, w.drafter, adapter, **kw).generate(SMALL_PROMPT, max_new_tokens=16)
     dec = FastDecoder(w.target, w.drafter, adapter, max_seq_len=64, **kw)
     dec.pad_trees = padded
@@ -155,19 +155,24 @@ def test_trees_come_from_the_static_builders(small_worlds, monkeypatch, proposal
         b = dec.weaver_builder
         assert dec.ddtree_builder is None
         assert (b.batch, b.budget, b.width, b.E, b.rounds) == (1, 16, 4, 2, weaver_tree_rounds(16, 4, b.L))
-    else:
+    elif proposal == "ddtree":
         b = dec.ddtree_builder
         assert dec.weaver_builder is None and (b.budget, b.L, b.V) == (32, w.drafter.lookahead, 8)
+    else:
+        b = dec.chain_builder
+        assert dec.ddtree_builder is None and b.n == min(8, w.drafter.lookahead)
     builds = []
     real_build = b.build
     monkeypatch.setattr(b, "build", lambda *a: builds.append(1) or real_build(*a))
     monkeypatch.setattr("tfm_runtime.engine.build_weaver_tree", None)      # the reference builders are not called
     monkeypatch.setattr("tfm_runtime.engine.build_ddtree", None)
+    monkeypatch.setattr("tfm_runtime.engine.build_chain", None)
     out = dec.generate(SMALL_PROMPT, max_new_tokens=16)
     assert out.tokens == ref.tokens
     assert out.stats.accept_lengths == ref.stats.accept_lengths and out.stats.tree_sizes == ref.stats.tree_sizes
     assert len(builds) == out.stats.verify_steps
-    assert max(out.stats.accept_lengths) >= 3
+    if proposal != "chain":                           # random chains are rejected at once here
+        assert max(out.stats.accept_lengths) >= 3
 
 
 def test_ancestor_masks_equal_the_tree_s():
@@ -269,8 +274,8 @@ def test_padded_trees_and_the_cpu_fallback_of_cuda_graphs(small_worlds):
 @pytest.mark.gpu
 @pytest.mark.parametrize("proposal", ["chain", "ddtree", "weaver"])
 def test_cuda_graphs_equal_eager_on_cuda(proposal):
-    """On CUDA (float32), FastDecoder with CUDA graphs (verify, decode, DDTree / Weaver tree build) emits the eager
-    fast decoder's and HF's greedy tokens."""
+    """On CUDA (float32), FastDecoder with CUDA graphs (verify, decode, tree build) emits the eager fast decoder's
+    and HF's greedy tokens."""
     w = tiny_world("qwen3", vocab_size=8, candidate_pool=8)
     for m in (w.target, w.drafter, w.weaver):
         m.cuda()
@@ -282,10 +287,9 @@ def test_cuda_graphs_equal_eager_on_cuda(proposal):
     a, b = graphed.generate(SMALL_PROMPT, 24), eager.generate(SMALL_PROMPT, 24)
     assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths
     assert a.stats.tree_sizes == b.stats.tree_sizes
-    if proposal != "chain":                       # the tree build replays its graph, trees go in padded
-        builder = graphed.weaver_builder or graphed.ddtree_builder
-        assert builder._graph is not None and graphed.pad_trees
-        assert (eager.weaver_builder or eager.ddtree_builder)._graph is None and not eager.pad_trees
+    static = {"chain": "chain_builder", "ddtree": "ddtree_builder", "weaver": "weaver_builder"}[proposal]
+    assert getattr(graphed, static)._graph is not None and graphed.pad_trees    # the build replays its graph,
+    assert getattr(eager, static)._graph is None and not eager.pad_trees        # trees go in padded
     ids = torch.tensor([SMALL_PROMPT], device="cuda")
     hf = w.target.model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
                                  eos_token_id=None)[0, len(SMALL_PROMPT):].tolist()

@@ -1,4 +1,5 @@
-"""The DDTree build as L shape-static depth steps: no heap, no per-node Python, no host synchronisation.
+"""The DDTree build as L shape-static depth steps: no heap, no per-node Python, no host synchronisation (and the
+greedy DFlash chain, `StaticChainBuilder`, in the same form).
 
 `StaticDDTreeBuilder` builds the tree `tfm_runtime.tree.build_ddtree` builds (the same nodes in the same order, the
 same parents, depths and log q, ties broken the same way). The reference pops paths from a heap keyed by
@@ -36,25 +37,15 @@ import torch
 from tfm_runtime.fast.weaver_tree import WeaverTrees
 
 
-class StaticDDTreeBuilder:
-    """DDTree of `budget` draft nodes over L depths of V-way draft logits, shape-static (module docstring); `capture`
-    records one build in a CUDA graph that later builds replay."""
+class LogitTreeBuilder:
+    """A tree built from the bonus token and the draft logits alone, by `_build` (a fixed op sequence, no host
+    reads): `build` runs it, or replays the CUDA graph `capture` recorded. Outputs: WeaverTrees of one row."""
 
     def __init__(self, budget: int, L: int, V: int, device=None):
         if min(budget, L, V) < 1:
             raise ValueError(f"budget, L and V must be >= 1, got budget={budget}, L={L}, V={V}")
-        self.budget, self.L, self.V, self.k = budget, L, V, min(budget, V)
+        self.budget, self.L, self.V = budget, L, V
         self.device = torch.device(device or "cpu")
-        B, k = budget, self.k
-        # rank-path components per packed int64 key: (k + 1) ** per < 2 ** 63
-        self.per = max(1, int(63 / math.log2(k + 1)))
-        while (k + 1) ** self.per >= 2 ** 63:
-            self.per -= 1
-        long = dict(device=self.device, dtype=torch.long)
-        self.child_rank = torch.arange(k, **long).repeat(B)                                 # [B*k]
-        self.child_parent = torch.arange(B, **long).repeat_interleave(k)                   # [B*k]
-        self.pow = (k + 1) ** torch.arange(self.per - 1, -1, -1, **long)                    # [per]
-        self.depth_of = torch.arange(1, L + 1, **long).repeat_interleave(B)               # [L*B]
         self._graph = None
         self._graph_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graph_out: WeaverTrees | None = None
@@ -97,6 +88,29 @@ class StaticDDTreeBuilder:
         if tuple(draft_logits.shape) != (self.L, self.V) or tuple(root.shape) != (1,):
             raise ValueError(f"root must be [1] and draft_logits [{self.L}, {self.V}], got {list(root.shape)} and "
                              f"{list(draft_logits.shape)}")
+
+    def _build(self, root: torch.Tensor, draft_logits: torch.Tensor) -> WeaverTrees:
+        """root [1] long, draft_logits [L, V] -> WeaverTrees of one row [1, N+1]."""
+        raise NotImplementedError
+
+
+class StaticDDTreeBuilder(LogitTreeBuilder):
+    """DDTree of `budget` draft nodes over L depths of V-way draft logits, shape-static (module docstring); `capture`
+    records one build in a CUDA graph that later builds replay."""
+
+    def __init__(self, budget: int, L: int, V: int, device=None):
+        super().__init__(budget, L, V, device)
+        B = budget
+        self.k = k = min(budget, V)
+        # rank-path components per packed int64 key: (k + 1) ** per < 2 ** 63
+        self.per = max(1, int(63 / math.log2(k + 1)))
+        while (k + 1) ** self.per >= 2 ** 63:
+            self.per -= 1
+        long = dict(device=self.device, dtype=torch.long)
+        self.child_rank = torch.arange(k, **long).repeat(B)                                 # [B*k]
+        self.child_parent = torch.arange(B, **long).repeat_interleave(k)                   # [B*k]
+        self.pow = (k + 1) ** torch.arange(self.per - 1, -1, -1, **long)                    # [per]
+        self.depth_of = torch.arange(1, L + 1, **long).repeat_interleave(B)               # [L*B]
 
     def _build(self, root: torch.Tensor, draft_logits: torch.Tensor) -> WeaverTrees:
         """One build (a fixed op sequence, no host reads)."""
@@ -146,4 +160,24 @@ class StaticDDTreeBuilder:
         logq = torch.cat([z.double(), torch.where(valid, torch.cat(lps)[perm], 0.0)])       # [B+1]
         num_nodes = 1 + valid.sum(0, keepdim=True)                                          # [1]
         return WeaverTrees(tokens[None], parents_out[None], depths[None], logq[None], num_nodes,
+                           torch.zeros(1, dtype=torch.bool, device=dev))
+
+
+class StaticChainBuilder(LogitTreeBuilder):
+    """The greedy DFlash chain (`tfm_runtime.tree.build_chain` at temperature 0): min(budget, L) draft nodes, the
+    depth-d token the argmax of draft_logits[d - 1], log q its log-softmax (float64 here)."""
+
+    def __init__(self, budget: int, L: int, V: int, device=None):
+        super().__init__(budget, L, V, device)
+        self.n = min(budget, L)
+
+    def _build(self, root: torch.Tensor, draft_logits: torch.Tensor) -> WeaverTrees:
+        n, dev = self.n, draft_logits.device
+        logits = draft_logits[:n].to(torch.promote_types(draft_logits.dtype, torch.float32))   # [n, V]
+        toks = logits.argmax(-1)                                                               # [n]
+        logq = torch.log_softmax(logits, -1).gather(1, toks[:, None])[:, 0].double()          # [n]
+        z = torch.zeros(1, dtype=torch.long, device=dev)
+        steps = torch.arange(n + 1, device=dev)                                                # [n+1]
+        return WeaverTrees(torch.cat([root.to(dev), toks])[None], (steps - 1)[None], steps[None],
+                           torch.cat([z.double(), logq])[None], torch.full((1,), n + 1, device=dev),
                            torch.zeros(1, dtype=torch.bool, device=dev))

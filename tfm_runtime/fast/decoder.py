@@ -2,14 +2,15 @@
 
   prefill the prompt (static cache) -> bonus token, DFlash context
   repeat:  DFlash drafts L marginals from the bonus  ->  proposal tree (chain | ddtree | weaver)
-           (DDTree and Weaver trees: shape-static builders on the device, no host reads until after the verify)
+           (shape-static builders on the device, no host reads until after the verify; sampled chains: reference)
            DenseModel.verify_tree: one pass writing the nodes' K/V after the committed prefix
            lossless verification (the reference rules) -> accepted path + bonus    (the one host sync)
            DenseModel.commit: the accepted nodes' K/V move into place; DFlash reads their tap features
 
-Drafting, chain building, verification rules, sampling order and statistics are the reference decoder's own
-(tfm_runtime.engine); DDTree and Weaver trees come from StaticDDTreeBuilder and StaticWeaverTreeBuilder, which build
-the reference's trees. So for the same inputs and generator both decoders emit the same tokens.
+Drafting, sampled chains, verification rules, sampling order and statistics are the reference decoder's own
+(tfm_runtime.engine); greedy chains, DDTrees and Weaver trees come from StaticChainBuilder, StaticDDTreeBuilder and
+StaticWeaverTreeBuilder, which build the reference's trees. So for the same inputs and generator both decoders emit
+the same tokens.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from tfm_runtime.engine import PROPOSALS, VERIFICATIONS, DecodeStats, GenerationOutput, SpeculativeDecoder, \
     check_models
-from tfm_runtime.fast.ddtree import StaticDDTreeBuilder
+from tfm_runtime.fast.ddtree import StaticChainBuilder, StaticDDTreeBuilder
 from tfm_runtime.fast.dense import DenseModel
 from tfm_runtime.fast.graphs import GraphedDense
 from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
@@ -38,11 +39,11 @@ class FastDecoder:
     max_position_embeddings, at most 4096); a request needs prompt + max_new_tokens + tree_budget slots.
     `gdn_backend` is accepted for API parity (no GDN layers run here yet). `attention`: see DenseModel.
     `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size) and decode from CUDA
-    graphs captured here (tfm_runtime.fast.graphs), and the DDTree / Weaver tree build from a graph captured at its
-    first build; ignored on the CPU.
-    DDTrees: one StaticDDTreeBuilder built here. Weaver trees: one StaticWeaverTreeBuilder (batch 1) built here,
-    `weaver_rounds` its round count (default: the worst case, so every tree is the reference's; fewer rounds may cut
-    trees short, see tfm_runtime.fast.weaver_tree).
+    graphs captured here (tfm_runtime.fast.graphs), and the tree build from a graph captured at its first build;
+    ignored on the CPU.
+    Greedy chains and DDTrees: one StaticChainBuilder / StaticDDTreeBuilder built here. Weaver trees: one
+    StaticWeaverTreeBuilder (batch 1) built here, `weaver_rounds` its round count (default: the worst case, so every
+    tree is the reference's; fewer rounds may cut trees short, see tfm_runtime.fast.weaver_tree).
     """
 
     # the reference decoder's rule choice, tree building, verification and stage timing, unchanged
@@ -84,8 +85,9 @@ class FastDecoder:
         self.max_nodes = (min(tree_budget, drafter.lookahead) if proposal == "chain" else tree_budget) + 1
         self.runner = GraphedDense(self.model, (self.max_nodes,)) if cuda_graphs else self.model
         self.weaver_builder = None
-        self.ddtree_builder = StaticDDTreeBuilder(tree_budget, drafter.lookahead, target.vocab_size,
-                                                  self.model.device) if proposal == "ddtree" else None
+        sizes = (tree_budget, drafter.lookahead, target.vocab_size, self.model.device)
+        self.ddtree_builder = StaticDDTreeBuilder(*sizes) if proposal == "ddtree" else None
+        self.chain_builder = StaticChainBuilder(*sizes) if proposal == "chain" else None   # greedy chains
         if proposal == "weaver":
             K = min(adapter.cfg.candidate_pool, target.vocab_size)
             self.weaver_builder = StaticWeaverTreeBuilder(
@@ -126,17 +128,20 @@ class FastDecoder:
         bonus = int(first.argmax()) if temperature == 0 else int(torch.multinomial(first.cpu(), 1, generator=generator))
         h_last, start, new = out.hidden[-1], prompt.numel(), [bonus]
         t = self._tick(stats, "prefill", t)
+        # chains sampled from DFlash (chain_sampling) come from the reference builder, with its random draws
+        static = self.weaver_builder or self.ddtree_builder or (self.chain_builder if rule != "chain_sampling"
+                                                                else None)
         while len(new) < max_new_tokens and bonus != eos_token_id:
             draft_logits, draft_hidden = self.drafter.draft(dcache, torch.tensor([bonus], device=dev), model.embed,
                                                             model.lm_head)
             t = self._tick(stats, "draft", t)
-            if self.weaver_builder is None and self.ddtree_builder is None:
+            if static is None:
                 tree, draft_probs = self._tree(bonus, draft_logits[0], draft_hidden[0], h_last, temperature,
                                                generator)
                 nodes = (tree.tokens.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev))
             else:
                 tree, draft_probs = None, None
-                trees, nodes = self._static_tree(bonus, draft_logits[0], draft_hidden[0], h_last)
+                trees, nodes = self._static_tree(static, bonus, draft_logits[0], draft_hidden[0], h_last)
             t = self._tick(stats, "tree", t)
             out = runner.verify_tree(*nodes, start)
             if tree is None:                                  # the tree on the host, for the verify rules
@@ -158,18 +163,17 @@ class FastDecoder:
         stats.new_tokens, stats.verify_steps = len(new), len(stats.accept_lengths)
         return GenerationOutput(tokens=new, stats=stats)
 
-    def _static_tree(self, bonus: int, draft_logits, draft_hidden, h_last):
-        """draft_logits [L, V], draft_hidden [L, H], h_last [H] -> (WeaverTrees of one row [1, N+1], the tree's
-        (tokens [n], depths [n], ancestor mask [n, n]) on the device), built by the static DDTree or Weaver builder.
+    def _static_tree(self, b, bonus: int, draft_logits, draft_hidden, h_last):
+        """b: the static chain, DDTree or Weaver builder; draft_logits [L, V], draft_hidden [L, H], h_last [H] ->
+        (WeaverTrees of one row [1, N+1], the tree's (tokens [n], depths [n], ancestor mask [n, n]) on the device).
         n = N + 1 (padding nodes see only themselves) when the verify pads trees anyway, else the tree's node count
         (read on the host)."""
         root = torch.tensor([bonus], device=self.model.device)                             # [1]
-        if self.ddtree_builder is not None:
-            b, inputs = self.ddtree_builder, (root, draft_logits)
-        else:
-            b = self.weaver_builder
+        if b is self.weaver_builder:
             cand_logits, cand_ids = draft_logits.topk(b.K, dim=-1)                         # [L, K]
             inputs = (root, h_last[None], draft_hidden[None], cand_ids[None], cand_logits[None])
+        else:
+            inputs = (root, draft_logits)
         if self.capture_trees and b._graph is None:
             b.capture(*inputs)
         trees = b.build(*inputs)

@@ -25,6 +25,7 @@ def test_smoke_rows(tmp_path):
     assert build["budget"] == 8 and build["equals_reference"] and build["static_eager_ms"] > 0
     assert build["ddtree_equals_reference"] and build["ddtree_static_eager_ms"] > 0
     assert "static_captured_ms" not in build and "ddtree_static_captured_ms" not in build
+    assert build["few_rounds"]["rounds"] == 8 and build["few_rounds"]["eager_ms"] > 0   # width 1 at budget 8
     ratios = res["ratios"]
     assert ratios["ar_over_hf_static_compiled"]["value"] is None and ratios["tree_build_ms_captured"]["met"] is None
     assert ratios["weaver_step_over_ar_step"]["value"] > 0

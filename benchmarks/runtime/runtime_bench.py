@@ -20,9 +20,9 @@ warms up on every prompt); tokens/s = new tokens / wall seconds of the calls (pr
   ours chain|ddtree|weaver  FastDecoder at budgets 16/32/64 (chain: min(budget, L) drafts), with and without CUDA
                       graphs; `step_ms` = one draft-tree-verify-commit step, `stage_ms` per step from DecodeStats
 Also: the tree builds alone at budget 64 (`tree_build`: the static Weaver and DDTree builders eager and captured,
-and the reference builders), the issue's ratios with their goals (`ratios`), and a greedy cross-check (`crosscheck`):
-FastDecoder's tokens, acceptance lengths and tree sizes against SpeculativeDecoder's on `--check-prompts` prompts,
-in float32.
+the reference builders, and the Weaver builder at ceil(budget / width) rounds, `few_rounds`), the issue's ratios
+with their goals (`ratios`), and a greedy cross-check (`crosscheck`): FastDecoder's tokens, acceptance lengths and
+tree sizes against SpeculativeDecoder's on `--check-prompts` prompts, in float32.
 With random weights acceptance lengths are about 1 (nothing predicts a random target), so speculative tokens/s says
 little; step times and stage times do not depend on weight values.
 """
@@ -280,6 +280,16 @@ def tree_build(target, drafter, weaver, budget: int, dev, reps: int) -> dict:
         e1.synchronize()
         res["static_replay_ms"] = round(e0.elapsed_time(e1) / reps, 4)      # back to back, no input copies
     res["nodes"] = nodes
+    # the fewest rounds that fill the budget when no round runs short: faster, may cut trees short (`truncated`)
+    few = StaticWeaverTreeBuilder(weaver, emb, head, budget, K=K, L=L, batch=1, device=dev, dtype=dtype,
+                                  rounds=-(-budget // b.width))
+    few.build(*inputs)
+    res["few_rounds"] = {"rounds": few.rounds, "truncated": bool(few.result.truncated[0]),
+                         "equals_reference": few.result.tree(0).to("cpu").tokens.tolist() == ref.tokens.tolist(),
+                         "eager_ms": round(median_ms(lambda: few.build(*inputs), dev, reps), 4)}
+    if dev.type == "cuda":
+        few.capture(*inputs)
+        res["few_rounds"]["captured_ms"] = round(median_ms(lambda: few.build(*inputs), dev, reps), 4)
     return res
 
 
@@ -358,6 +368,9 @@ def table(result: dict) -> str:
     lines.append(f"weaver tree build (budget {b['budget']}, {b['rounds']} rounds): static eager "
                  f"{b['static_eager_ms']} ms, captured {b.get('static_captured_ms')} ms (replay "
                  f"{b.get('static_replay_ms')}), reference {b['reference_ms']} ms, equal {b['equals_reference']}")
+    f = b["few_rounds"]
+    lines.append(f"  with {f['rounds']} rounds: eager {f['eager_ms']} ms, captured {f.get('captured_ms')} ms, "
+                 f"truncated {f['truncated']}, equal {f['equals_reference']}")
     lines.append(f"ddtree build (budget {b['budget']}): static eager {b['ddtree_static_eager_ms']} ms, captured "
                  f"{b.get('ddtree_static_captured_ms')} ms, reference {b['ddtree_reference_ms']} ms, equal "
                  f"{b['ddtree_equals_reference']}")
@@ -383,6 +396,8 @@ def main(argv=None) -> int:
     ap.add_argument("--graphs", choices=["both", "on", "off"], default="both",
                     help="our decoders with CUDA graphs, without, or both (CUDA; the CPU runs eagerly)")
     ap.add_argument("--build-reps", type=int, default=50, help="timed tree builds")
+    ap.add_argument("--weaver-rounds", type=int, help="rounds of the decoders' Weaver builds (default: the worst "
+                    "case, trees equal the reference's; fewer may cut trees short)")
     ap.add_argument("--check-prompts", type=int, default=2, help="greedy cross-check prompts (0: none)")
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -441,7 +456,8 @@ def main(argv=None) -> int:
             for budget in args.budgets:
                 for graphs in graph_modes:
                     dec = FastDecoder(target, drafter, weaver if proposal == "weaver" else None, tree_budget=budget,
-                                      proposal=proposal, max_seq_len=seq, cuda_graphs=graphs)
+                                      proposal=proposal, max_seq_len=seq, cuda_graphs=graphs,
+                                      weaver_rounds=args.weaver_rounds)
                     call = lambda p, k, d=dec: (lambda o: (o.tokens, o.stats))(d.generate(p, k))  # noqa: E731
                     add(run_engine(f"ours {proposal}", call, prompts, n, dev, budget=budget, cuda_graphs=graphs)[0])
                     del dec
@@ -450,7 +466,8 @@ def main(argv=None) -> int:
                   "setup": {"device": str(dev), "dtype": str(dtype).removeprefix("torch."), **world,
                             "prompts": source, "num_prompts": len(prompts),
                             "prompt_tokens": [len(p) for p in prompts], "new_tokens": n, "temperature": 0.0,
-                            "batch": 1, "budgets": args.budgets, "smoke": args.smoke},
+                            "batch": 1, "budgets": args.budgets, "weaver_rounds": args.weaver_rounds,
+                            "smoke": args.smoke},
                   "rows": rows, "tree_build": build, "ratios": ratios(rows, build, top, graph_modes[0])}
         if args.check_prompts:
             result["crosscheck"] = crosscheck(target, drafter, weaver, prompts[:args.check_prompts],

@@ -301,7 +301,10 @@ def crosscheck(target, drafter, weaver, prompts, n: int, budget: int, graphs: bo
     from tfm_runtime.engine import SpeculativeDecoder
     from tfm_runtime.fast import FastDecoder
     from tfm_runtime.models.target import TargetModel
-    t32 = TargetModel(copy.deepcopy(target.model).float(), target.tap_layer_ids)
+    with torch.device(target.device):           # a fresh float32 model (the bf16 one may hold compiled calls)
+        m32 = type(target.model)(target.model.config).float().eval()
+    m32.load_state_dict(target.model.state_dict())
+    t32 = TargetModel(m32, target.tap_layer_ids)
     d32, w32 = copy.deepcopy(drafter).float(), copy.deepcopy(weaver).float()
     w32.contract = None
     seq = max(map(len, prompts)) + n + budget + 2
@@ -378,7 +381,9 @@ def table(result: dict) -> str:
         if k != "note":
             lines.append(f"{k:<42}{str(v['value']):>10}  goal {v['goal']:<9} met {v['met']}")
     c = result.get("crosscheck")
-    if c:
+    if c and "error" in c:
+        lines.append(f"greedy cross-check vs SpeculativeDecoder: error {c['error']}")
+    elif c:
         lines.append(f"greedy cross-check vs SpeculativeDecoder ({c['dtype']}): {c['identical']}/{c['cases']} "
                      f"identical, AR {c['ar_identical']}/{c['cases'] // 3}")
     return "\n".join(lines)
@@ -470,8 +475,12 @@ def main(argv=None) -> int:
                             "smoke": args.smoke},
                   "rows": rows, "tree_build": build, "ratios": ratios(rows, build, top, graph_modes[0])}
         if args.check_prompts:
-            result["crosscheck"] = crosscheck(target, drafter, weaver, prompts[:args.check_prompts],
-                                              args.check_tokens, top, graph_modes[0])
+            try:
+                result["crosscheck"] = crosscheck(target, drafter, weaver, prompts[:args.check_prompts],
+                                                  args.check_tokens, top, graph_modes[0])
+            except Exception as e:  # noqa: BLE001 - keep the timings; the error is the result
+                result["crosscheck"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                print("cross-check failed:", result["crosscheck"]["error"])
     result["total_s"] = round(time.perf_counter() - t0, 1)
     if out_path:
         write_results(out_path, result)

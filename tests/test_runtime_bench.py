@@ -9,7 +9,7 @@ def test_smoke_rows(tmp_path):
     out = tmp_path / "runtime.json"
     assert runtime_bench.main(["--smoke", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert list(res)[:2] == ["env", "setup"] and res["setup"]["smoke"]
+    assert list(res)[:2] == ["env", "setup"] and res["setup"]["smoke"] and res["errors"] == {}
     rows, n = res["rows"], res["setup"]["new_tokens"] * res["setup"]["num_prompts"]
     got = {(r["engine"], r.get("budget")) for r in rows}
     want = {("ours ar", None), ("hf static eager", None)} | {(f"ours {p}", b) for p in ("chain", "ddtree", "weaver")

@@ -437,7 +437,7 @@ def main(argv=None) -> int:
         graph_modes = {"both": [True, False], "on": [True], "off": [False]}[args.graphs]
         if dev.type != "cuda":
             graph_modes = [False]
-        rows = []
+        rows, errors = [], {}
 
         def add(row):
             rows.append(row)
@@ -455,7 +455,12 @@ def main(argv=None) -> int:
         with no_tap_hooks(target):
             add(run_engine("hf static eager", hf_call(model, seq, False), prompts, n, dev)[0])
             if dev.type == "cuda":
-                add(run_engine("hf static compiled", hf_call(model, seq, True), prompts, n, dev, warm_all=True)[0])
+                try:
+                    add(run_engine("hf static compiled", hf_call(model, seq, True), prompts, n, dev,
+                                   warm_all=True)[0])
+                except Exception as e:  # noqa: BLE001 - recorded; the other rows still run
+                    errors["hf static compiled"] = f"{type(e).__name__}: {e}"[:500]
+                    print("hf static compiled failed:", errors["hf static compiled"])
         model.generation_config.eos_token_id = eos
         for proposal in ("chain", "ddtree", "weaver"):
             for budget in args.budgets:
@@ -473,7 +478,8 @@ def main(argv=None) -> int:
                             "prompt_tokens": [len(p) for p in prompts], "new_tokens": n, "temperature": 0.0,
                             "batch": 1, "budgets": args.budgets, "weaver_rounds": args.weaver_rounds,
                             "smoke": args.smoke},
-                  "rows": rows, "tree_build": build, "ratios": ratios(rows, build, top, graph_modes[0])}
+                  "rows": rows, "errors": errors, "tree_build": build,
+                  "ratios": ratios(rows, build, top, graph_modes[0])}
         if args.check_prompts:
             try:
                 result["crosscheck"] = crosscheck(target, drafter, weaver, prompts[:args.check_prompts],

@@ -205,6 +205,30 @@ def test_triton_gdn_equals_torch_under_interpreter(worlds):
     torch.testing.assert_close(models[1].conv, models[0].conv, atol=1e-5, rtol=0)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_tree_gdn_inputs_kernel_equals_conv_kernel_and_torch_gates():
+    """One launch for the tree conv and the gates: the tree conv kernel's output, HF's gate formulas (padding nodes
+    of a second request past its node count: zero conv output)."""
+    from tfm_kernels.gdn_tree import tree_conv1d
+    from tfm_kernels.gdn_tree.inputs import tree_gdn_inputs
+    dev = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    B, N, D, W, HV = 2, 7, 40, 4, 6
+    x, state = torch.randn(B, N, D, generator=gen), torch.randn(3, D, W - 1, generator=gen)
+    weight, bias = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    a, b = 4 * torch.randn(B, N, HV, generator=gen), torch.randn(B, N, HV, generator=gen)
+    a[0, 0, 0] = 30.0                                        # softplus past its threshold
+    A_log, dt_bias = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
+    parent = torch.tensor([[-1, 0, 0, 1, 3, 2, 5], [-1, 0, 1, 2, 0, 0, 0]])
+    n, idx = torch.tensor([7, 5], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)
+    args = [t.to(dev) for t in (x, state, weight, bias, parent, n, idx)]
+    out, g, beta = tree_gdn_inputs(*args, a.to(dev), b.to(dev), A_log.to(dev), dt_bias.to(dev), block_n=4, block_d=16)
+    torch.testing.assert_close(out, tree_conv1d(*args, block_n=4, block_d=16), atol=1e-6, rtol=0)
+    torch.testing.assert_close(g.cpu(), -A_log.exp() * torch.nn.functional.softplus(a + dt_bias), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(beta.cpu(), b.sigmoid(), atol=1e-6, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_triton_paths_on_cuda(family):

@@ -25,8 +25,8 @@ Entry points, as DenseModel's:
                                          set to the accepted leaf's
 
 GDN backends: "torch" (the node-by-node tree recurrence of tfm_runtime.models.gdn_tree_torch, the float64-checked
-reference; any dtype) or "triton" (tfm_kernels.gdn_tree: tree conv, masked triangular solve, commit kernels; CUDA,
-or the CPU under TRITON_INTERPRET=1).
+reference; any dtype) or "triton" (tfm_kernels.gdn_tree: the tree conv and the gates in one launch, the masked
+triangular solve, the commit kernels; CUDA, or the CPU under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -429,17 +429,18 @@ class HybridModel(DenseModel):
         return F.linear(o, w.w_out)
 
     def _gdn_triton(self, w: GDNLayer, slot: int, mixed, b, a, tree: GDNStash):
-        """The GDN layer through tfm_kernels.gdn_tree: tree short conv (one launch), gates, tree verify (prep +
-        solve); the pools are only read. mixed [N, C], b, a [N, HV] -> o [N, HV, dv]."""
-        from tfm_kernels.gdn_tree import tree_conv1d, tree_gdn_verify
+        """The GDN layer through tfm_kernels.gdn_tree: the tree short conv and the gates in one launch, then the
+        tree verify (prep + solve); the pools are only read. mixed [N, C], b, a [N, HV] -> o [N, HV, dv]."""
+        from tfm_kernels.gdn_tree import tree_gdn_verify
+        from tfm_kernels.gdn_tree.inputs import tree_gdn_inputs
         c = self.cfg
         N, hk, hv, dk, dv = mixed.shape[0], c.gdn_k_heads, c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim
         idx = self.gdn_slots[slot:slot + 1]                                                 # [1] int32
         n = torch.full((1,), N, dtype=torch.int32, device=mixed.device)
-        x = tree_conv1d(mixed[None], self.conv, w.conv, w.conv_bias, tree.parents, n, idx)  # [1, N, C]
+        # x [1, N, C]; g, beta [1, N, HV] fp32
+        x, g, beta = tree_gdn_inputs(mixed[None], self.conv, w.conv, w.conv_bias, tree.parents, n, idx, a[None],
+                                     b[None], w.A_log, w.dt_bias)
         q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        beta = b.sigmoid().float()[None]                                                    # [1, N, HV]
-        g = (-w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias))[None]              # [1, N, HV]
         precision = "ieee" if mixed.dtype == torch.float32 else "tf32"
         o, kst = tree_gdn_verify(q.reshape(1, N, hk, dk), k.reshape(1, N, hk, dk), v.reshape(1, N, hv, dv), g, beta,
                                  tree.parents, n, self.rec, idx, scale=dk ** -0.5, use_qk_l2norm=True,

@@ -93,6 +93,17 @@ def test_prefill_and_decode_equal_hf(worlds, family, monkeypatch):
         assert_states(model, *hf_states(hf_cache, model))
 
 
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_safetensors_folder_equals_hf(worlds, family, tmp_path):
+    """A folder written by save_pretrained (Qwen3-Next's experts stored one MLP each) loads with the same logits."""
+    w = worlds[family]
+    w.target.model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        ref = w.target(torch.tensor([PROMPT])).logits[0, -1]
+    model = HybridModel.from_pretrained(str(tmp_path), max_seq_len=16)
+    torch.testing.assert_close(model.prefill(torch.tensor(PROMPT)).logits[0], ref, atol=ATOL, rtol=0)
+
+
 def branchy_tree(path: list[int], vocab: int) -> tuple[Tree, list[int]]:
     """A tree whose greedy path (root = path[0]) sits at nodes 0, 2, 5, 6, with wrong siblings and children around
     it (node 3 hangs off the path, node 4 off a wrong branch); returns the tree and the path's nodes."""

@@ -206,8 +206,7 @@ class MLP:
     w_up: torch.Tensor | None = None     # [I, H]
     w_down: torch.Tensor | None = None   # [H, I]
     router: torch.Tensor | None = None   # MoE [E, H]
-    gate_up: torch.Tensor | None = None  # [E, 2 Im, H]
-    down: torch.Tensor | None = None     # [E, H, Im]
+    experts: list | None = None          # E SwiGLU MLPs of Im channels
     shared: "MLP | None" = None          # shared expert (SwiGLU)
     shared_gate: torch.Tensor | None = None   # [1, H]
 
@@ -331,9 +330,13 @@ class HybridModel(DenseModel):
             m = p + "mlp."
             if i in c.moe_layers:
                 E, Im = c.num_experts, c.moe_intermediate_size
-                mlp = MLP(router=get(m + "gate.weight", (E, H)),
-                          gate_up=get(m + "experts.gate_up_proj", (E, 2 * Im, H)),
-                          down=get(m + "experts.down_proj", (E, H, Im)),
+                if m + "experts.gate_up_proj" in state:         # as transformers holds them: views of 3-D tensors
+                    gate_up = get(m + "experts.gate_up_proj", (E, 2 * Im, H))
+                    down = get(m + "experts.down_proj", (E, H, Im))
+                    experts = [MLP(w_gate=gate_up[e, :Im], w_up=gate_up[e, Im:], w_down=down[e]) for e in range(E)]
+                else:                                          # as checkpoints store them: one MLP per expert
+                    experts = [swiglu(f"{m}experts.{e}.", Im) for e in range(E)]
+                mlp = MLP(router=get(m + "gate.weight", (E, H)), experts=experts,
                           shared=swiglu(m + "shared_expert.", c.shared_expert_intermediate_size),
                           shared_gate=get(m + "shared_expert_gate.weight", (1, H)))
             else:
@@ -462,9 +465,8 @@ class HybridModel(DenseModel):
         out = torch.zeros_like(h)
         # every expert on every token, weighted by 0 where not chosen: static shapes, no host sync (a grouped kernel
         # is what large expert counts need)
-        for e in range(c.num_experts):
-            gate, up = F.linear(h, m.gate_up[e]).chunk(2, dim=-1)
-            out = out + F.linear(F.silu(gate) * up, m.down[e]) * weights[:, e:e + 1]
+        for e, expert in enumerate(m.experts):
+            out = out + self._mlp(expert, h) * weights[:, e:e + 1]
         return out + torch.sigmoid(F.linear(h, m.shared_gate)) * self._mlp(m.shared, h)
 
     def _hybrid_forward(self, tokens, pos, slots, attend, tree: GDNStash):

@@ -260,6 +260,15 @@ def test_triton_paths_on_cuda(family):
 
 
 def test_bad_configs_are_refused(worlds, monkeypatch):
+    """What the fast hybrid target cannot run is refused by name; the Qwen3.6-27B shape is accepted."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    big = HybridConfig.from_hf(Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10]}))
+    assert big.layer_types.count("linear_attention") == 48 and big.rotary_dim == 64 and big.conv_dim == 10240
     cfg = tiny_target_config("qwen3_5")
     assert HybridConfig.from_hf(cfg).rotary_dim == 4
     bad = [({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,

@@ -243,7 +243,6 @@ class HybridModel(DenseModel):
 
     def __init__(self, cfg: HybridConfig, state: dict[str, torch.Tensor], tap_layer_ids=(), *,
                  max_seq_len: int = 2048, attention: str = "auto", gdn: str = "auto"):
-        self._gdn_choice = gdn
         super().__init__(cfg, state, tap_layer_ids, max_seq_len=max_seq_len, attention=attention)
         dev, dt = self.device, self.dtype
         if gdn == "auto":

@@ -19,7 +19,6 @@ from tfm_runtime.engine import PROPOSALS, VERIFICATIONS, DecodeStats, Generation
     check_models
 from tfm_runtime.fast.dense import DenseModel
 from tfm_runtime.fast.graphs import GraphedDense
-from tfm_runtime.fast.hybrid import HybridModel
 from tfm_runtime.hub import check_adapter
 from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.target import TargetModel
@@ -33,10 +32,10 @@ class FastDecoder:
     `target`: a TargetModel or a Hugging Face causal LM: Llama or Qwen3 dense (a `DenseModel`), or a Qwen3-Next /
     Qwen3.5 hybrid with GDN layers (a `HybridModel`). Its weights are shared with that model, whose KV cache holds
     `max_seq_len` slots (default: the model's max_position_embeddings, at most 4096); a request needs prompt +
-    max_new_tokens + tree_budget slots. `gdn_backend`: the hybrid model's GDN backend (see HybridModel).
-    `attention`: see DenseModel.
+    max_new_tokens + tree_budget slots. `gdn_backend`: the hybrid model's GDN backend (see HybridModel); hybrid
+    targets run without CUDA graphs. `attention`: see DenseModel.
     `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size) and decode from CUDA
-    graphs captured here (tfm_runtime.fast.graphs); ignored on the CPU; dense targets only.
+    graphs captured here (tfm_runtime.fast.graphs); ignored on the CPU.
     """
 
     # the reference decoder's rule choice, tree building, verification and stage timing, unchanged
@@ -73,6 +72,7 @@ class FastDecoder:
         self.tree_budget, self.proposal, self.verification = tree_budget, proposal, verification
         self.expand, self.width = expand, width
         if target.is_hybrid:
+            from tfm_runtime.fast.hybrid import HybridModel
             if cuda_graphs:
                 raise ValueError("cuda_graphs=True runs dense targets only; hybrid (GDN) targets run eagerly")
             self.model = HybridModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,

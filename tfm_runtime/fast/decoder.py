@@ -1,4 +1,4 @@
-"""FastDecoder: SpeculativeDecoder's loop on the compact dense target with its static KV cache.
+"""FastDecoder: SpeculativeDecoder's loop on a compact target (DenseModel; HybridModel for GDN hybrids), static caches.
 
   prefill the prompt (static cache) -> bonus token, DFlash context
   repeat:  DFlash drafts L marginals from the bonus  ->  proposal tree (chain | ddtree | weaver)
@@ -34,10 +34,11 @@ from tfm_runtime.sampling import filter_probs
 class FastDecoder:
     """Speculative decoding of one request at a time, with SpeculativeDecoder's arguments and `generate` API.
 
-    `target`: a TargetModel or a Hugging Face causal LM (Llama or Qwen3 dense; hybrid GDN targets are refused for
-    now). Its weights are shared with a `DenseModel` whose KV cache holds `max_seq_len` slots (default: the model's
-    max_position_embeddings, at most 4096); a request needs prompt + max_new_tokens + tree_budget slots.
-    `gdn_backend` is accepted for API parity (no GDN layers run here yet). `attention`: see DenseModel.
+    `target`: a TargetModel or a Hugging Face causal LM: Llama or Qwen3 dense (a `DenseModel`), or a Qwen3-Next /
+    Qwen3.5 hybrid with GDN layers (a `HybridModel`). Its weights are shared with that model, whose KV cache holds
+    `max_seq_len` slots (default: the model's max_position_embeddings, at most 4096); a request needs prompt +
+    max_new_tokens + tree_budget slots. `gdn_backend`: the hybrid model's GDN backend (see HybridModel); hybrid
+    targets run without CUDA graphs. `attention`: see DenseModel.
     `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size) and decode from CUDA
     graphs captured here (tfm_runtime.fast.graphs), and the tree build from a graph captured at its first build;
     ignored on the CPU.
@@ -79,8 +80,15 @@ class FastDecoder:
         self.target, self.drafter, self.adapter = target, drafter, adapter
         self.tree_budget, self.proposal, self.verification = tree_budget, proposal, verification
         self.expand, self.width = expand, width
-        self.model = DenseModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,
-                                        attention=attention)
+        if target.is_hybrid:
+            from tfm_runtime.fast.hybrid import HybridModel
+            if cuda_graphs:
+                raise ValueError("cuda_graphs=True runs dense targets only; hybrid (GDN) targets run eagerly")
+            self.model = HybridModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,
+                                             attention=attention, gdn=gdn_backend)
+        else:
+            self.model = DenseModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,
+                                            attention=attention)
         # the largest tree a round builds: a chain stops at the drafter's lookahead
         self.max_nodes = (min(tree_budget, drafter.lookahead) if proposal == "chain" else tree_budget) + 1
         self.runner = GraphedDense(self.model, (self.max_nodes,)) if cuda_graphs else self.model

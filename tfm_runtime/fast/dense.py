@@ -88,8 +88,8 @@ class DenseConfig:
 
 def _check_family(kind: str | None, layer_types) -> None:
     if "linear_attention" in (layer_types or []) or (kind or "").startswith(("qwen3_next", "qwen3_5")):
-        raise ValueError(f"{kind!r} is a hybrid target with Gated DeltaNet layers: the fast backend runs dense "
-                         f"Llama / Qwen3 targets only for now; use tfm_runtime.SpeculativeDecoder")
+        raise ValueError(f"{kind!r} is a hybrid target with Gated DeltaNet layers: DenseModel runs dense "
+                         f"Llama / Qwen3 targets; use tfm_runtime.fast.hybrid.HybridModel (FastDecoder picks it)")
     if kind not in FAMILIES:
         raise ValueError(f"the fast dense target supports model types {FAMILIES}, got {kind!r}")
 

@@ -15,6 +15,15 @@ def tree_conv1d_kernel(x, conv_state, weight, bias, parent, num_nodes, state_idx
                        HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BN: tl.constexpr,
                        BD: tl.constexpr):
     i_d, i_n, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    conv_tile(x, conv_state, weight, bias, parent, num_nodes, state_idx, out, i_d, i_n, i_b, N, D,
+              S, W, HAS_BIAS, SILU, BN, BD)
+
+
+@triton.jit
+def conv_tile(x, conv_state, weight, bias, parent, num_nodes, state_idx, out, i_d, i_n, i_b,
+              N: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+              HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """Output tile [BN nodes, BD channels] (i_n, i_d) of request i_b (int64)."""
     i_s = tl.load(state_idx + i_b).to(tl.int64)
     n = tl.where(i_s >= 0, tl.load(num_nodes + i_b), 0)
     o_n = i_n * BN + tl.arange(0, BN)

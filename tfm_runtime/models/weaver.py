@@ -152,15 +152,63 @@ class WeaverScoring:
 
 
 class WeaverState:
-    """Per-round K/V: prefix [B, nh, 1+L, hd] and tree nodes [B, nh, Nt, hd] for each layer."""
+    """Per-round K/V of every layer: the prefix [B, nh, P = 1+L, hd], then the tree-node slots.
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+    Grown by `Weaver.step` (each step concatenates its W new slots: k[i] [B, nh, P+Nt, hd]), or, built by
+    `WeaverState.static`, held in buffers k[i], v[i] [B, nh, P+capacity, hd] allocated once: a step then writes its
+    W slots in place at P+Nt .. P+Nt+W-1 and attends over the view of the first P+Nt+W keys, the same keys in the
+    same order as the growing state, so every step has a fixed shape and address (CUDA-graph capturable).
+    """
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], capacity: int | None = None,
+                 prefix_len: int | None = None):
         self.k, self.v = k, v
-        self.prefix_len = k[0].shape[2]
+        self.capacity = capacity
+        self.prefix_len = k[0].shape[2] if prefix_len is None else prefix_len
+        self._nodes = 0                             # filled node slots of a static state
+
+    @classmethod
+    def static(cls, num_layers: int, batch: int, num_heads: int, prefix_len: int, head_dim: int, capacity: int,
+               device=None, dtype=None) -> "WeaverState":
+        """A state with K/V buffers [batch, num_heads, prefix_len + capacity, head_dim] per layer (zeros); `reset`
+        loads a prefix into it."""
+        shape = (batch, num_heads, prefix_len + capacity, head_dim)
+        k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        return cls(k, v, capacity=capacity, prefix_len=prefix_len)
 
     @property
     def num_nodes(self) -> int:
-        return self.k[0].shape[2] - self.prefix_len
+        return self.k[0].shape[2] - self.prefix_len if self.capacity is None else self._nodes
+
+    def reset(self, prefix: "WeaverState") -> None:
+        """Static state: copy the prefix K/V of `prefix` (a state from `Weaver.prefix`) in place; no node slots."""
+        if self.capacity is None or prefix.prefix_len != self.prefix_len:
+            raise ValueError(f"reset needs a static state and a prefix of length {self.prefix_len}")
+        for dst, src in zip(self.k + self.v, prefix.k + prefix.v):
+            dst[:, :, : self.prefix_len].copy_(src)
+        self._nodes = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, nh, W, hd] of W new slots for `layer` -> that layer's K/V over prefix, old and new slots
+        [B, nh, P+Nt+W, hd]. A growing state concatenates; a static one writes in place (call `advance` after the
+        last layer)."""
+        if self.capacity is None:
+            self.k[layer] = torch.cat([self.k[layer], k], dim=2)
+            self.v[layer] = torch.cat([self.v[layer], v], dim=2)
+            return self.k[layer], self.v[layer]
+        start, end = self.prefix_len + self._nodes, self.prefix_len + self._nodes + k.shape[2]
+        if end > self.prefix_len + self.capacity:
+            raise ValueError(f"static WeaverState holds {self.capacity} node slots, a step needs "
+                             f"{end - self.prefix_len}")
+        self.k[layer][:, :, start:end].copy_(k)
+        self.v[layer][:, :, start:end].copy_(v)
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, width: int) -> None:
+        """Count `width` more filled node slots (a static state; a growing one counts its K/V length)."""
+        if self.capacity is not None:
+            self._nodes += width
 
 
 class Weaver(nn.Module):
@@ -201,7 +249,7 @@ class Weaver(nn.Module):
 
     def step(self, state: WeaverState, tokens: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
              embed_weight: torch.Tensor) -> torch.Tensor:
-        """One batched expansion of W new nodes; their K/V are appended to `state`.
+        """One batched expansion of W new nodes; their K/V are appended to `state` (in place for a static state).
 
         tokens, depths [B, W]; visible [B, W, Nt] bool: which existing tree nodes are ancestors of each new node
         (new nodes never see each other, only themselves). Returns h [B, W, r] (after out_norm).
@@ -214,9 +262,9 @@ class Weaver(nn.Module):
         mask = torch.cat([visible.new_ones(B, W, P), visible, eye], dim=-1)[:, None]      # [B, 1, W, P+Nt+W]
         for i, blk in enumerate(self.blocks):
             q, k, v = blk.qkv(x, cos, sin)
-            state.k[i] = torch.cat([state.k[i], k], dim=2)
-            state.v[i] = torch.cat([state.v[i], v], dim=2)
-            x = blk.finish(x, q, state.k[i], state.v[i], mask)
+            ks, vs = state.append(i, k, v)                                                # [B, nh, P+Nt+W, hd]
+            x = blk.finish(x, q, ks, vs, mask)
+        state.advance(W)
         assert state.num_nodes == Nt + W
         return self.out_norm(x)
 

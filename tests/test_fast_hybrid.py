@@ -1,0 +1,305 @@
+"""The fast hybrid backend (tfm_runtime.fast.hybrid) against Hugging Face and the reference decoder, on tiny float32
+Qwen3-Next (MoE) and Qwen3.5 worlds: prefill / decode logits and GDN states equal the HF model's, tree verify and the
+committed states equal TreeVerifier's, FastDecoder emits SpeculativeDecoder's and HF's tokens (greedy and sampled),
+the Triton GDN path equals the torch one, and bad configs are refused.
+
+The norm weights and dt_bias are perturbed (HF initialises the norms to zero offsets), so a norm applied wrongly
+shows. The decoder tests use an 8-token vocabulary so that random drafters get drafts accepted."""
+import os
+
+import pytest
+import torch
+
+import tfm_runtime.fast.hybrid as hybrid
+from tfm_runtime.engine import SpeculativeDecoder
+from tfm_runtime.fast import FastDecoder
+from tfm_runtime.fast.hybrid import HybridConfig, HybridModel, conv_windows, tree_parents
+from tfm_runtime.models.tree_target import TreeVerifier
+from tfm_runtime.tree import Tree
+from tfm_runtime.verify import verify_greedy
+from tfm_runtime.worlds import HYBRID_FAMILIES, tiny_target_config, tiny_world
+
+PROMPT = [5, 17, 33, 2, 91, 14]
+SMALL_PROMPT = [5, 7, 3, 2, 1, 4]
+ATOL = 2e-5
+
+
+def perturbed_world(family, **kw):
+    w = tiny_world(family, **kw)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in w.target.model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return w
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    return {f: perturbed_world(f) for f in HYBRID_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def small_worlds():
+    """Vocabulary 8, seed 1: random drafters get 1-2 drafts accepted per round."""
+    return {f: tiny_world(f, vocab_size=8, candidate_pool=8, seed=1) for f in HYBRID_FAMILIES}
+
+
+def hf_greedy(target, prompt, n):
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_states(cache, model: HybridModel):
+    """The GDN layers' (recurrent [Lg, HV, K, V], conv [Lg, C, W-1]) states of an HF cache, in pool order."""
+    gdn = [i for i, t in enumerate(model.cfg.layer_types) if t == "linear_attention"]
+    rec = torch.stack([cache.layers[i].recurrent_states[0][0] for i in gdn])
+    conv = torch.stack([cache.layers[i].conv_states[0][0, :, 1:] for i in gdn])
+    return rec, conv
+
+
+def assert_states(model, rec, conv):
+    torch.testing.assert_close(model.rec, rec.float(), atol=ATOL, rtol=0)
+    torch.testing.assert_close(model.conv, conv, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_prefill_and_decode_equal_hf(worlds, family, monkeypatch):
+    """Logits, hidden, taps and the GDN states after prefill and each decode equal HF's; prefill gives the same in
+    chunks of 4 tokens (two chain trees, each committed)."""
+    w = worlds[family]
+    seq = PROMPT + [40, 7, 250]
+    T = len(PROMPT)
+    with torch.no_grad():
+        ref = w.target(torch.tensor([seq]))
+        cache = w.target.new_cache()
+        w.target(torch.tensor([PROMPT]), cache=cache, use_cache=True)
+    assert ref.logits.std() > 0.1
+    for chunk in (64, 4):
+        monkeypatch.setattr(hybrid, "PREFILL_CHUNK", chunk)
+        model = HybridModel.from_hf(w.target, max_seq_len=32)
+        out = model.prefill(torch.tensor(PROMPT))
+        torch.testing.assert_close(out.logits[0], ref.logits[0, T - 1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.hidden, ref.h_final[0, :T], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.taps, ref.taps[0, :T], atol=ATOL, rtol=0)
+        assert_states(model, *hf_states(cache, model))
+    hf_cache = cache
+    for pos in range(T, len(seq)):
+        logits = model.decode(torch.tensor([seq[pos]]), torch.tensor([pos]))
+        torch.testing.assert_close(logits[0], ref.logits[0, pos], atol=ATOL, rtol=0)
+        with torch.no_grad():
+            w.target(torch.tensor([[seq[pos]]]), cache=hf_cache, use_cache=True)
+        assert_states(model, *hf_states(hf_cache, model))
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_safetensors_folder_equals_hf(worlds, family, tmp_path):
+    """A folder written by save_pretrained (Qwen3-Next's experts stored one MLP each) loads with the same logits."""
+    w = worlds[family]
+    w.target.model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        ref = w.target(torch.tensor([PROMPT])).logits[0, -1]
+    model = HybridModel.from_pretrained(str(tmp_path), max_seq_len=16)
+    torch.testing.assert_close(model.prefill(torch.tensor(PROMPT)).logits[0], ref, atol=ATOL, rtol=0)
+
+
+def branchy_tree(path: list[int], vocab: int) -> tuple[Tree, list[int]]:
+    """A tree whose greedy path (root = path[0]) sits at nodes 0, 2, 5, 6, with wrong siblings and children around
+    it (node 3 hangs off the path, node 4 off a wrong branch); returns the tree and the path's nodes."""
+    def other(t, k=1):
+        return (t + k) % vocab
+    g = path
+    tokens = [g[0], other(g[1]), g[1], other(g[2]), other(g[1], 2), g[2], g[3], other(g[4])]
+    parents = [-1, 0, 0, 2, 1, 2, 5, 6]
+    depths = [0, 1, 1, 2, 2, 2, 3, 4]
+    return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.zeros(8)), [0, 2, 5, 6]
+
+
+def test_tree_helpers():
+    parents = torch.tensor([-1, 0, 0, 2, 1, 2, 5, 6])
+    tree = Tree(torch.arange(8), parents, torch.tensor([0, 1, 1, 2, 2, 2, 3, 4]), torch.zeros(8))
+    assert tree_parents(tree.ancestor_mask()).tolist() == parents.tolist()
+    # rows of [state (3 rows) | nodes]: node j is row 3 + j, the newest state entry row 2
+    assert conv_windows(parents, 4)[[0, 4, 7]].tolist() == [[0, 1, 2, 3], [2, 3, 4, 7], [5, 8, 9, 10]]
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_verify_tree_and_commit_equal_tree_verifier(worlds, family):
+    """Two rounds of a branchy tree: verify_tree's outputs equal TreeVerifier's and leave the committed GDN states
+    untouched; after committing the accepted path (nodes 0, 2, 5, 6) the GDN states equal the reference's, and
+    decoding continues as HF on the committed sequence."""
+    w = worlds[family]
+    V = w.target.vocab_size
+    g = hf_greedy(w.target, PROMPT, 9)
+    model = HybridModel.from_hf(w.target, max_seq_len=48)
+    verifier = TreeVerifier(w.target, backend="torch")
+    cache = w.target.new_cache()
+    with torch.no_grad():
+        w.target(torch.tensor([PROMPT]), cache=cache, use_cache=True)
+    model.prefill(torch.tensor(PROMPT))
+    start = len(PROMPT)
+    for round in range(2):
+        tree, path = branchy_tree(g[start - len(PROMPT):], V)
+        anc = tree.ancestor_mask()
+        with torch.no_grad():
+            ref = verifier.verify(cache, tree.tokens, tree.parents, tree.depths, anc, start)
+        rec, conv = model.rec.clone(), model.conv.clone()
+        out = model.verify_tree(tree.tokens, tree.depths, anc, start)
+        assert torch.equal(model.rec, rec) and torch.equal(model.conv, conv)
+        torch.testing.assert_close(out.logits, ref.logits[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.hidden, ref.h_final[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.taps, ref.taps[0], atol=ATOL, rtol=0)
+        accepted, bonus = verify_greedy(tree, out.logits)
+        assert accepted == path and bonus == g[start - len(PROMPT) + 4], (round, accepted)
+        verifier.commit(cache, start, accepted)
+        model.commit(start, torch.tensor(accepted))
+        assert_states(model, *hf_states(cache, model))
+        start += len(accepted)
+    committed = PROMPT + g[:start - len(PROMPT)]
+    with torch.no_grad():
+        ref = w.target(torch.tensor([committed + [g[start - len(PROMPT)]]]))
+    logits = model.decode(torch.tensor([g[start - len(PROMPT)]]), start)
+    torch.testing.assert_close(logits[0], ref.logits[0, -1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@pytest.mark.parametrize("proposal,budget", [("chain", 8), ("ddtree", 24), ("weaver", 24)])
+def test_greedy_equals_reference_decoder_and_hf(small_worlds, family, proposal, budget):
+    w = small_worlds[family]
+    adapter = w.weaver if proposal == "weaver" else None
+    kw = dict(tree_budget=budget, proposal=proposal)
+    fast = FastDecoder(w.target, w.drafter, adapter, max_seq_len=64, **kw)
+    assert isinstance(fast.model, HybridModel)
+    out = fast.generate(SMALL_PROMPT, max_new_tokens=14)
+    ref = SpeculativeDecoder(w.target, w.drafter, adapter, **kw).generate(SMALL_PROMPT, max_new_tokens=14)
+    assert out.tokens == ref.tokens == hf_greedy(w.target, SMALL_PROMPT, 14)
+    assert out.stats.accept_lengths == ref.stats.accept_lengths and out.stats.tree_sizes == ref.stats.tree_sizes
+    if proposal != "chain":
+        assert max(out.stats.accept_lengths) >= 3          # multi-node commits happen
+    assert fast.generate_autoregressive(SMALL_PROMPT, 14).tokens == out.tokens
+
+
+@pytest.mark.parametrize("proposal,verification", [("chain", "chain_sampling"), ("ddtree", "target_only"),
+                                                   ("weaver", "traversal")])
+def test_sampling_equals_reference_decoder(small_worlds, proposal, verification):
+    """At T > 0 with one seed, both decoders draw the same random numbers in the same order: same tokens."""
+    w = small_worlds["qwen3_next"]
+    adapter = w.weaver if proposal == "weaver" else None
+    kw = dict(tree_budget=12, proposal=proposal, verification=verification)
+    fast = FastDecoder(w.target, w.drafter, adapter, max_seq_len=48, **kw)
+    ref = SpeculativeDecoder(w.target, w.drafter, adapter, **kw)
+    runs = []
+    for seed in (0, 1):
+        a = fast.generate(SMALL_PROMPT, max_new_tokens=12, temperature=1.0, top_k=6, seed=seed)
+        b = ref.generate(SMALL_PROMPT, max_new_tokens=12, temperature=1.0, top_k=6, seed=seed)
+        assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths, seed
+        runs.append(a.tokens)
+    assert runs[0] != runs[1]                                # the seed matters: these are samples
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton GDN path on CPU needs the "
+                    "interpreter (on CUDA: test_triton_paths_on_cuda)")
+def test_triton_gdn_equals_torch_under_interpreter(worlds):
+    """The GDN kernels (tree conv, tree verify, commits) give the torch path's outputs and committed states."""
+    w = worlds["qwen3_5"]
+    tree, _ = branchy_tree([3, 9, 27, 81, 243], w.target.vocab_size)
+    anc = tree.ancestor_mask()
+    models = [HybridModel.from_hf(w.target, max_seq_len=32, gdn=b) for b in ("torch", "triton")]
+    outs = []
+    for m in models:
+        m.prefill(torch.tensor(PROMPT))
+        outs.append(m.verify_tree(tree.tokens, tree.depths, anc, len(PROMPT)))
+        m.commit(len(PROMPT), torch.tensor([0, 2, 5, 6]))
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(models[1].rec, models[0].rec, atol=1e-5, rtol=0)
+    torch.testing.assert_close(models[1].conv, models[0].conv, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_tree_gdn_inputs_kernel_equals_conv_kernel_and_torch_gates():
+    """One launch for the tree conv and the gates: the tree conv kernel's output, HF's gate formulas (padding nodes
+    of a second request past its node count: zero conv output)."""
+    from tfm_kernels.gdn_tree import tree_conv1d
+    from tfm_kernels.gdn_tree.inputs import tree_gdn_inputs
+    dev = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    B, N, D, W, HV = 2, 7, 40, 4, 6
+    x, state = torch.randn(B, N, D, generator=gen), torch.randn(3, D, W - 1, generator=gen)
+    weight, bias = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    a, b = 4 * torch.randn(B, N, HV, generator=gen), torch.randn(B, N, HV, generator=gen)
+    a[0, 0, 0] = 30.0                                        # softplus past its threshold
+    A_log, dt_bias = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
+    parent = torch.tensor([[-1, 0, 0, 1, 3, 2, 5], [-1, 0, 1, 2, 0, 0, 0]])
+    n, idx = torch.tensor([7, 5], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)
+    args = [t.to(dev) for t in (x, state, weight, bias, parent, n, idx)]
+    out, g, beta = tree_gdn_inputs(*args, a.to(dev), b.to(dev), A_log.to(dev), dt_bias.to(dev), block_n=4, block_d=16)
+    torch.testing.assert_close(out, tree_conv1d(*args, block_n=4, block_d=16), atol=1e-6, rtol=0)
+    torch.testing.assert_close(g.cpu(), -A_log.exp() * torch.nn.functional.softplus(a + dt_bias), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(beta.cpu(), b.sigmoid(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_triton_paths_on_cuda(family):
+    """On CUDA (float32), the Triton GDN kernels and tree attention: FastDecoder's greedy tokens equal HF's and the
+    torch path's, for a Weaver tree."""
+    w = tiny_world(family, vocab_size=8, candidate_pool=8, seed=1)
+    for m in (w.target, w.drafter, w.weaver):
+        m.cuda()
+    kw = dict(tree_budget=16, proposal="weaver", max_seq_len=64)
+    fast = FastDecoder(w.target, w.drafter, w.weaver, **kw)
+    assert fast.model.gdn == "triton" and fast.model.attention == "triton"
+    torch_gdn = FastDecoder(w.target, w.drafter, w.weaver, gdn_backend="torch", **kw)
+    a, b = fast.generate(SMALL_PROMPT, 16), torch_gdn.generate(SMALL_PROMPT, 16)
+    ids = torch.tensor([SMALL_PROMPT], device="cuda")
+    hf = w.target.model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)[0, len(SMALL_PROMPT):].tolist()
+    assert a.tokens == b.tokens == hf == fast.generate_autoregressive(SMALL_PROMPT, 16).tokens
+
+
+def test_bad_configs_are_refused(worlds, monkeypatch):
+    """What the fast hybrid target cannot run is refused by name; the Qwen3.6-27B shape is accepted."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    big = HybridConfig.from_hf(Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10]}))
+    assert big.layer_types.count("linear_attention") == 48 and big.rotary_dim == 64 and big.conv_dim == 10240
+    cfg = tiny_target_config("qwen3_5")
+    assert HybridConfig.from_hf(cfg).rotary_dim == 4
+    bad = [({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                 "original_max_position_embeddings": 64}}, "rope type 'yarn'"),
+           ({"layer_types": ["sliding_attention"] + cfg.layer_types[1:]}, "has \\['sliding_attention'\\]"),
+           ({"hidden_act": "gelu"}, "hidden_act='silu'"),
+           ({"attention_bias": True}, "attention_bias"),
+           ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
+           ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}},
+            "must be even")]
+    for change, match in bad:
+        d = {**cfg.to_dict(), **change}
+        with pytest.raises(ValueError, match=match):
+            HybridConfig.from_hf(d)
+    with pytest.raises(ValueError, match="model types.*Qwen3_5ForCausalLM"):
+        HybridConfig.from_hf({"model_type": "qwen3_5"})
+    with pytest.raises(ValueError, match="model types"):
+        HybridConfig.from_hf({"model_type": "llama"})
+    w = worlds["qwen3_next"]
+    with pytest.raises(ValueError, match="dense targets only"):
+        FastDecoder(w.target, w.drafter, cuda_graphs=True)
+    with pytest.raises(ValueError, match="gdn must be"):
+        HybridModel.from_hf(w.target, max_seq_len=16, gdn="chunked")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="gdn must be"):
+        HybridModel.from_hf(w.target, max_seq_len=16, gdn="triton")
+    state = {k: v for k, v in w.target.model.state_dict().items() if "conv1d" not in k}
+    with pytest.raises(ValueError, match="weights missing.*conv1d"):
+        HybridModel(HybridConfig.from_hf(w.target.config), state)
+    model = HybridModel.from_hf(w.target, max_seq_len=16)
+    with pytest.raises(RuntimeError, match="verify_tree first"):
+        model.commit(0, torch.tensor([0]))
+    with pytest.raises(ValueError, match="static cache"):
+        model.verify_tree(torch.zeros(4, dtype=torch.long), torch.arange(4), torch.ones(4, 4).tril().bool(), 13)

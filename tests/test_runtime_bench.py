@@ -1,0 +1,55 @@
+"""benchmarks/runtime/runtime_bench.py --smoke: every engine's row on the tiny world (CPU), the tree-build timing, the
+ratios and the greedy cross-check of FastDecoder against SpeculativeDecoder."""
+import json
+
+from benchmarks.runtime import runtime_bench
+
+
+def test_smoke_rows(tmp_path):
+    out = tmp_path / "runtime.json"
+    assert runtime_bench.main(["--smoke", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert list(res)[:2] == ["env", "setup"] and res["setup"]["smoke"] and res["errors"] == {}
+    rows, n = res["rows"], res["setup"]["new_tokens"] * res["setup"]["num_prompts"]
+    got = {(r["engine"], r.get("budget")) for r in rows}
+    want = {("ours ar", None), ("hf static eager", None)} | {(f"ours {p}", b) for p in ("chain", "ddtree", "weaver")
+                                                              for b in (4, 8)}
+    assert got == want                                          # no compiled HF row and no CUDA graphs on the CPU
+    for r in rows:
+        assert r["new_tokens"] == n and r["tokens_per_s"] > 0 and r["ms_per_token"] > 0, r
+        if r["engine"].startswith("ours "):
+            assert r["cuda_graphs"] is False and r["step_ms"] > 0
+        if r["engine"] in ("ours chain", "ours ddtree", "ours weaver"):
+            assert set(r["stage_ms"]) == {"draft", "tree", "verify", "commit"} and r["acceptance_length"] >= 1
+    build = res["tree_build"]
+    assert build["budget"] == 8 and build["equals_reference"] and build["static_eager_ms"] > 0
+    assert build["ddtree_equals_reference"] and build["ddtree_static_eager_ms"] > 0
+    assert "static_captured_ms" not in build and "ddtree_static_captured_ms" not in build
+    assert build["few_rounds"]["rounds"] == 8 and build["few_rounds"]["eager_ms"] > 0   # width 1 at budget 8
+    ratios = res["ratios"]
+    assert ratios["ar_over_hf_static_compiled"]["value"] is None and ratios["tree_build_ms_captured"]["met"] is None
+    assert ratios["weaver_step_over_ar_step"]["value"] > 0
+    check = res["crosscheck"]
+    assert check["cases"] == 3 and check["identical"] == 3 and check["ar_identical"] == 1 and not check["mismatches"]
+
+
+def test_committed_mtbench_ids(monkeypatch):
+    """The committed MT-Bench token ids are SmolLM2's chat-templated first turns (checked where the tokenizer and the
+    package data are installed), and the benchmark falls back to them where nothing tokenizes."""
+    import argparse
+
+    import pytest
+    with open(runtime_bench.MTBENCH_IDS) as f:
+        ids = json.load(f)["prompts"]
+    assert len(ids) >= 4 and all(p[0] == 1 and len(p) > 20 for p in ids)
+    try:
+        want = runtime_bench.mtbench_ids(None, len(ids))
+    except (ImportError, OSError, ValueError) as e:
+        pytest.skip(f"no SmolLM2 tokenizer or MT-Bench data here: {e}")
+    assert ids == want
+
+    def no_tokenizer(*_):
+        raise FileNotFoundError("no tokenizer")
+    monkeypatch.setattr(runtime_bench, "mtbench_ids", no_tokenizer)
+    got, source = runtime_bench.load_prompts(argparse.Namespace(smoke=False, target=None, prompts=4), 49152)
+    assert got == ids[:4] and "smollm2_mtbench_ids.json" in source

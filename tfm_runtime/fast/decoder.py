@@ -1,0 +1,213 @@
+"""FastDecoder: SpeculativeDecoder's loop on a compact target (DenseModel; HybridModel for GDN hybrids), static caches.
+
+  prefill the prompt (static cache) -> bonus token, DFlash context
+  repeat:  DFlash drafts L marginals from the bonus  ->  proposal tree (chain | ddtree | weaver)
+           (shape-static builders on the device, no host reads until after the verify; sampled chains: reference)
+           DenseModel.verify_tree: one pass writing the nodes' K/V after the committed prefix
+           lossless verification (the reference rules) -> accepted path + bonus    (the one host sync)
+           DenseModel.commit: the accepted nodes' K/V move into place; DFlash reads their tap features
+
+Drafting, sampled chains, verification rules, sampling order and statistics are the reference decoder's own
+(tfm_runtime.engine); greedy chains, DDTrees and Weaver trees come from StaticChainBuilder, StaticDDTreeBuilder and
+StaticWeaverTreeBuilder, which build the reference's trees. So for the same inputs and generator both decoders emit
+the same tokens.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tfm_runtime.engine import PROPOSALS, VERIFICATIONS, DecodeStats, GenerationOutput, SpeculativeDecoder, \
+    check_models
+from tfm_runtime.fast.ddtree import StaticChainBuilder, StaticDDTreeBuilder
+from tfm_runtime.fast.dense import DenseModel
+from tfm_runtime.fast.graphs import GraphedDense
+from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
+from tfm_runtime.hub import check_adapter
+from tfm_runtime.models.dflash import DFlashDrafter
+from tfm_runtime.models.target import TargetModel
+from tfm_runtime.models.weaver import Weaver
+from tfm_runtime.sampling import filter_probs
+
+
+class FastDecoder:
+    """Speculative decoding of one request at a time, with SpeculativeDecoder's arguments and `generate` API.
+
+    `target`: a TargetModel or a Hugging Face causal LM: Llama or Qwen3 dense (a `DenseModel`), or a Qwen3-Next /
+    Qwen3.5 hybrid with GDN layers (a `HybridModel`). Its weights are shared with that model, whose KV cache holds
+    `max_seq_len` slots (default: the model's max_position_embeddings, at most 4096); a request needs prompt +
+    max_new_tokens + tree_budget slots. `gdn_backend`: the hybrid model's GDN backend (see HybridModel); hybrid
+    targets run without CUDA graphs. `attention`: see DenseModel.
+    `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size) and decode from CUDA
+    graphs captured here (tfm_runtime.fast.graphs), and the tree build from a graph captured at its first build;
+    ignored on the CPU.
+    Greedy chains and DDTrees: one StaticChainBuilder / StaticDDTreeBuilder built here. Weaver trees: one
+    StaticWeaverTreeBuilder (batch 1) built here, `weaver_rounds` its round count (default: the worst case, so every
+    tree is the reference's; fewer rounds may cut trees short, see tfm_runtime.fast.weaver_tree).
+    """
+
+    # the reference decoder's rule choice, tree building, verification and stage timing, unchanged
+    _rule = SpeculativeDecoder._rule
+    _tree = SpeculativeDecoder._tree
+    _verify = SpeculativeDecoder._verify
+    _tick = SpeculativeDecoder._tick
+
+    def __init__(self, target, drafter: DFlashDrafter, adapter: Weaver | None = None, *, tree_budget: int = 64,
+                 proposal: str | None = None, verification: str = "auto", expand: int = 8,
+                 width: int | None = None, gdn_backend: str = "auto", max_seq_len: int | None = None,
+                 attention: str = "auto", cuda_graphs: bool = False, weaver_rounds: int | None = None):
+        if not isinstance(target, TargetModel):
+            target = TargetModel(target, drafter.cfg.target_layer_ids)
+        proposal = proposal or ("weaver" if adapter is not None else "ddtree")
+        if proposal not in PROPOSALS:
+            raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
+        if proposal == "weaver" and adapter is None:
+            raise ValueError("proposal='weaver' needs a Weaver adapter (load one with tfm_runtime.load_adapter)")
+        if verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
+        if verification == "chain_sampling" and proposal != "chain":
+            raise ValueError(f"verification='chain_sampling' needs proposal='chain' (drafts sampled from DFlash), "
+                             f"got proposal={proposal!r}")
+        if tree_budget < 1:
+            raise ValueError(f"tree_budget must be >= 1, got {tree_budget}")
+        check_models(target, drafter, adapter)
+        if adapter is not None and adapter.contract is not None:
+            check_adapter(adapter.contract, adapter, target=target, drafter=drafter,
+                          where=f"FastDecoder: adapter {adapter.source or '(built in code)'}")
+        if max_seq_len is None:
+            max_seq_len = min(getattr(target.config, "max_position_embeddings", None) or 4096, 4096)
+        self.target, self.drafter, self.adapter = target, drafter, adapter
+        self.tree_budget, self.proposal, self.verification = tree_budget, proposal, verification
+        self.expand, self.width = expand, width
+        if target.is_hybrid:
+            from tfm_runtime.fast.hybrid import HybridModel
+            if cuda_graphs:
+                raise ValueError("cuda_graphs=True runs dense targets only; hybrid (GDN) targets run eagerly")
+            self.model = HybridModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,
+                                             attention=attention, gdn=gdn_backend)
+        else:
+            self.model = DenseModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,
+                                            attention=attention)
+        # the largest tree a round builds: a chain stops at the drafter's lookahead
+        self.max_nodes = (min(tree_budget, drafter.lookahead) if proposal == "chain" else tree_budget) + 1
+        self.runner = GraphedDense(self.model, (self.max_nodes,)) if cuda_graphs else self.model
+        self.weaver_builder = None
+        sizes = (tree_budget, drafter.lookahead, target.vocab_size, self.model.device)
+        self.ddtree_builder = StaticDDTreeBuilder(*sizes) if proposal == "ddtree" else None
+        self.chain_builder = StaticChainBuilder(*sizes) if proposal == "chain" else None   # greedy chains
+        if proposal == "weaver":
+            K = min(adapter.cfg.candidate_pool, target.vocab_size)
+            self.weaver_builder = StaticWeaverTreeBuilder(
+                adapter, target.embed_weight, target.lm_head_weight, tree_budget, K=K, L=drafter.lookahead, batch=1,
+                expand=expand, width=width, rounds=weaver_rounds, device=self.model.device, dtype=self.model.dtype)
+        # graphed verify pads every tree to max_nodes anyway: then static trees go in padded, no host read first
+        self.pad_trees = isinstance(self.runner, GraphedDense) and self.runner.enabled
+        self.capture_trees = cuda_graphs and self.model.device.type == "cuda"
+
+    def _prompt(self, prompt_ids, max_new_tokens: int, tree_nodes: int) -> torch.Tensor:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.model.device)
+        if prompt.numel() == 0:
+            raise ValueError("prompt_ids is empty: the target needs at least one token to start from")
+        # the last round starts with at most prompt + max_new_tokens - 2 committed tokens and writes its tree after
+        need = prompt.numel() + max_new_tokens + tree_nodes - 2
+        if need > self.model.max_seq_len:
+            raise ValueError(f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) + tree nodes "
+                             f"({tree_nodes}) need {need} cache slots; the static cache has max_seq_len="
+                             f"{self.model.max_seq_len} (pass a larger max_seq_len to FastDecoder)")
+        return prompt
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, eos_token_id: int | None = None, generator: torch.Generator | None = None,
+                 seed: int | None = None) -> GenerationOutput:
+        """prompt_ids: list[int] or LongTensor [T] -> GenerationOutput(new tokens, stats), as SpeculativeDecoder."""
+        prompt = self._prompt(prompt_ids, max_new_tokens, self.max_nodes)
+        if generator is None:
+            generator = torch.Generator().manual_seed(0 if seed is None else seed)
+        rule = self._rule(temperature)
+        stats = DecodeStats(prompt_tokens=prompt.numel())
+        model, runner, dev = self.model, self.runner, self.model.device
+        t = time.perf_counter()
+        out = model.prefill(prompt)
+        dcache = self.drafter.new_cache()
+        self.drafter.extend_context(dcache, out.taps[None])
+        first = filter_probs(out.logits.double(), temperature, top_k, top_p)[0]
+        bonus = int(first.argmax()) if temperature == 0 else int(torch.multinomial(first.cpu(), 1, generator=generator))
+        h_last, start, new = out.hidden[-1], prompt.numel(), [bonus]
+        t = self._tick(stats, "prefill", t)
+        # chains sampled from DFlash (chain_sampling) come from the reference builder, with its random draws
+        static = self.weaver_builder or self.ddtree_builder or (self.chain_builder if rule != "chain_sampling"
+                                                                else None)
+        while len(new) < max_new_tokens and bonus != eos_token_id:
+            draft_logits, draft_hidden = self.drafter.draft(dcache, torch.tensor([bonus], device=dev), model.embed,
+                                                            model.lm_head)
+            t = self._tick(stats, "draft", t)
+            if static is None:
+                tree, draft_probs = self._tree(bonus, draft_logits[0], draft_hidden[0], h_last, temperature,
+                                               generator)
+                nodes = (tree.tokens.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev))
+            else:
+                tree, draft_probs = None, None
+                trees, nodes = self._static_tree(static, bonus, draft_logits[0], draft_hidden[0], h_last)
+            t = self._tick(stats, "tree", t)
+            out = runner.verify_tree(*nodes, start)
+            if tree is None:                                  # the tree on the host, for the verify rules
+                tree = trees.tree(0).to("cpu")
+            t = self._tick(stats, "verify", t)
+            accepted, bonus = self._verify(rule, tree, out.logits[:tree.num_nodes].cpu(), draft_probs, temperature,
+                                           top_k, top_p, generator)
+            idx = torch.as_tensor(accepted, device=dev)
+            model.commit(start, idx)
+            self.drafter.extend_context(dcache, out.taps[idx][None])
+            h_last, start = out.hidden[accepted[-1]].clone(), start + len(accepted)   # out may be a graph's
+            new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]
+            stats.accept_lengths.append(len(accepted))
+            stats.tree_sizes.append(tree.num_nodes)
+            t = self._tick(stats, "commit", t)
+        if eos_token_id is not None and eos_token_id in new:
+            new = new[: new.index(eos_token_id) + 1]
+        new = new[:max_new_tokens]
+        stats.new_tokens, stats.verify_steps = len(new), len(stats.accept_lengths)
+        return GenerationOutput(tokens=new, stats=stats)
+
+    def _static_tree(self, b, bonus: int, draft_logits, draft_hidden, h_last):
+        """b: the static chain, DDTree or Weaver builder; draft_logits [L, V], draft_hidden [L, H], h_last [H] ->
+        (WeaverTrees of one row [1, N+1], the tree's (tokens [n], depths [n], ancestor mask [n, n]) on the device).
+        n = N + 1 (padding nodes see only themselves) when the verify pads trees anyway, else the tree's node count
+        (read on the host)."""
+        root = torch.tensor([bonus], device=self.model.device)                             # [1]
+        if b is self.weaver_builder:
+            cand_logits, cand_ids = draft_logits.topk(b.K, dim=-1)                         # [L, K]
+            inputs = (root, h_last[None], draft_hidden[None], cand_ids[None], cand_logits[None])
+        else:
+            inputs = (root, draft_logits)
+        if self.capture_trees and b._graph is None:
+            b.capture(*inputs)
+        trees = b.build(*inputs)
+        n = trees.tokens.shape[1] if self.pad_trees else int(trees.num_nodes[0])
+        anc = ancestor_masks(trees.parents[:, :n], self.drafter.lookahead)[0]               # [n, n]
+        return trees, (trees.tokens[0, :n], trees.depths[0, :n], anc)
+
+    @torch.no_grad()
+    def generate_autoregressive(self, prompt_ids, max_new_tokens: int = 256,
+                                eos_token_id: int | None = None) -> GenerationOutput:
+        """Greedy decoding one token per step on the static cache (the AR baseline): the same tokens as the target's
+        greedy `generate`. Tokens stay on the device; without `eos_token_id` nothing is read back until the end."""
+        prompt = self._prompt(prompt_ids, max_new_tokens, 1)
+        stats = DecodeStats(prompt_tokens=prompt.numel())
+        model, dev = self.model, self.model.device
+        t = time.perf_counter()
+        tokens = torch.empty(max(1, max_new_tokens), dtype=torch.long, device=dev)          # [max_new]
+        tokens[:1] = model.prefill(prompt).logits.argmax(-1)
+        pos = torch.full((1,), prompt.numel(), dtype=torch.long, device=dev)               # [1]
+        t = self._tick(stats, "prefill", t)
+        n = 1
+        while n < max_new_tokens and (eos_token_id is None or int(tokens[n - 1]) != eos_token_id):
+            tokens[n:n + 1] = self.runner.decode(tokens[n - 1:n], pos).argmax(-1)
+            pos += 1
+            n += 1
+        new = tokens[:min(n, max_new_tokens)].tolist()
+        t = self._tick(stats, "decode", t)
+        stats.new_tokens = len(new)
+        return GenerationOutput(tokens=new, stats=stats)

@@ -1,0 +1,375 @@
+"""Compact dense target (Llama, Qwen3) with a static KV cache, for one request at a time.
+
+The weights come from a Hugging Face causal LM's state dict (shared with it, not copied) or from a safetensors
+folder. The KV cache is preallocated to `max_seq_len` slots and kept on the object. Every entry point has shapes
+that depend only on its inputs' sizes and `max_seq_len`, never on how much of the cache is committed, so each one
+can be captured in a CUDA graph (`start` / `pos` may be device tensors):
+
+    prefill(tokens [T])                        slots and positions 0..T-1
+    decode(token [1], pos [1])                 one token at slot and position `pos`
+    verify_tree(tokens [N], depths [N], anc [N, N], start)
+                                               tree nodes in slots start..start+N-1, at positions start + depth,
+                                               each attending to the committed prefix and its own ancestors
+    commit(start, accepted [A])                slots start + accepted -> slots start..start+A-1 (all layers at once)
+
+Attention runs through torch SDPA with a boolean mask over the whole cache; on CUDA, decode and tree verify use the
+Triton tree-attention kernel (tfm_kernels.tree_attention), which reads the committed prefix up to `start` and the
+nodes' own keys. The math follows Hugging Face's Llama / Qwen3 (RMSNorm in fp32, RoPE tables in fp32, SwiGLU MLP,
+Qwen3's per-head q/k RMSNorm), so logits agree with the HF model to rounding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("llama", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class DenseConfig:
+    """What the dense forward needs from a Hugging Face config (`from_hf` refuses what it cannot run)."""
+    family: str                          # "llama" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict = field(default_factory=dict)     # rope_type, rope_theta and the scaling parameters of that type
+    qk_norm: bool = False                # Qwen3: RMSNorm over each head of q and k before RoPE
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, config) -> "DenseConfig":
+        """A transformers config (or its config.json as a dict) -> DenseConfig; ValueError names what is unsupported."""
+        if isinstance(config, dict):
+            from transformers import AutoConfig
+            d = dict(config)
+            kind = d.pop("model_type", None)
+            _check_family(kind, d.get("layer_types"))
+            config = AutoConfig.for_model(kind, **d)
+        kind = getattr(config, "model_type", None)
+        types = list(getattr(config, "layer_types", None) or [])
+        _check_family(kind, types)
+        other = sorted({t for t in types if t != "full_attention"})
+        if other or getattr(config, "use_sliding_window", False):
+            raise ValueError(f"the fast dense target runs full attention only; this {kind} config has "
+                             f"{', '.join(map(repr, other)) or 'sliding-window'} layers (sliding_window="
+                             f"{getattr(config, 'sliding_window', None)})")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"the fast dense target's MLP is SwiGLU (hidden_act='silu'), got {config.hidden_act!r}")
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        rope.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise ValueError(f"rope type {rope['rope_type']!r} is not supported by the fast dense target "
+                             f"(supported: {ROPE_TYPES})")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial rotary embeddings are not supported, got partial_rotary_factor="
+                             f"{rope['partial_rotary_factor']}")
+        heads = config.num_attention_heads
+        return cls(family=kind, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                   intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+                   num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   rms_norm_eps=config.rms_norm_eps, rope=rope, qk_norm=kind == "qwen3",
+                   attention_bias=bool(getattr(config, "attention_bias", False)),
+                   mlp_bias=bool(getattr(config, "mlp_bias", False)),
+                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def _check_family(kind: str | None, layer_types) -> None:
+    if "linear_attention" in (layer_types or []) or (kind or "").startswith(("qwen3_next", "qwen3_5")):
+        raise ValueError(f"{kind!r} is a hybrid target with Gated DeltaNet layers: DenseModel runs dense "
+                         f"Llama / Qwen3 targets; use tfm_runtime.fast.hybrid.HybridModel (FastDecoder picks it)")
+    if kind not in FAMILIES:
+        raise ValueError(f"the fast dense target supports model types {FAMILIES}, got {kind!r}")
+
+
+def rope_inv_freq(cfg: DenseConfig) -> torch.Tensor:
+    """[head_dim / 2] fp32 inverse frequencies, computed as transformers does for the rope types in ROPE_TYPES."""
+    r, D = cfg.rope, cfg.head_dim
+    inv_freq = 1.0 / (r["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    if r["rope_type"] == "linear":
+        return inv_freq / r["factor"]
+    if r["rope_type"] == "llama3":
+        factor, lo, hi = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+        old = r["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # short wavelengths stay, long ones are divided by `factor`, the band between is interpolated
+        scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+@dataclass
+class Layer:
+    """One decoder layer's weights ([out, in] like nn.Linear); biases and q/k norms are None when absent."""
+    attn_norm: torch.Tensor              # [H]
+    wq: torch.Tensor                     # [Hq * D, H]
+    wk: torch.Tensor                     # [Hkv * D, H]
+    wv: torch.Tensor                     # [Hkv * D, H]
+    wo: torch.Tensor                     # [H, Hq * D]
+    mlp_norm: torch.Tensor               # [H]
+    w_gate: torch.Tensor                 # [I, H]
+    w_up: torch.Tensor                   # [I, H]
+    w_down: torch.Tensor                 # [H, I]
+    q_norm: torch.Tensor | None = None   # [D]
+    k_norm: torch.Tensor | None = None   # [D]
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+    b_gate: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+
+
+@dataclass
+class DenseOutput:
+    logits: torch.Tensor                 # [T, V] (prefill: [1, V], the last position only)
+    hidden: torch.Tensor                 # [T, H] final-norm hidden states (the LM head's input)
+    taps: torch.Tensor                   # [T, n_taps * H] tap-layer outputs, concatenated in tap_layer_ids order
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., C] -> weight * x / rms(x), the mean of squares taken in fp32 (as Hugging Face does)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], cos/sin [T, D] -> RoPE'd x (the half-split "rotate_half" convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+
+
+class DenseModel:
+    """A dense Llama / Qwen3 target for batch 1 with a static KV cache of `max_seq_len` slots.
+
+    `tap_layer_ids`: decoder layers whose outputs (before the final norm) DFlash reads, as in TargetModel.
+    `attention`: "sdpa", "triton" (CUDA only) or "auto" (Triton on CUDA where the kernel fits, else SDPA).
+    Build with `DenseModel.from_hf(model, ...)` or `DenseModel.from_pretrained(folder, ...)`.
+    """
+
+    def __init__(self, cfg: DenseConfig, state: dict[str, torch.Tensor], tap_layer_ids=(), *,
+                 max_seq_len: int = 2048, attention: str = "auto"):
+        self.cfg = cfg
+        bad = [i for i in tap_layer_ids if not 0 <= i < cfg.num_layers]
+        if bad:
+            raise ValueError(f"tap layer ids must be in [0, {cfg.num_layers - 1}], got {bad}")
+        self.tap_layer_ids = tuple(int(i) for i in tap_layer_ids)
+        self._load(state)
+        dev, dt = self.embed.device, self.embed.dtype
+        if attention == "auto":
+            attention = "triton" if dev.type == "cuda" and dt in (torch.float16, torch.bfloat16, torch.float32) \
+                else "sdpa"
+        if attention not in ("sdpa", "triton") or (attention == "triton" and dev.type != "cuda"):
+            raise ValueError(f"attention must be 'auto', 'sdpa' or 'triton' (CUDA only), got {attention!r} on {dev}")
+        self.attention = attention
+        self.setup_cache(max_seq_len)
+
+    # ---- weights ---------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, model, tap_layer_ids=(), **kw) -> "DenseModel":
+        """From a Hugging Face *ForCausalLM (or a TargetModel, whose tap layers are then the default); the tensors
+        are the model's own (no copy)."""
+        from tfm_runtime.models.target import TargetModel
+        if isinstance(model, TargetModel):
+            tap_layer_ids = tap_layer_ids or model.tap_layer_ids
+            model = model.model
+        return cls(DenseConfig.from_hf(model.config), dict(model.state_dict()), tap_layer_ids, **kw)
+
+    @classmethod
+    def from_pretrained(cls, path: str, tap_layer_ids=(), *, dtype: torch.dtype | None = None, device=None,
+                        **kw) -> "DenseModel":
+        """From a folder of config.json + *.safetensors (Hugging Face layout; never pickle)."""
+        from tfm_runtime.models.common import load_safetensors_dir
+        config, state = load_safetensors_dir(path)
+        cfg = DenseConfig.from_hf(config)
+        state = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state.items()}
+        return cls(cfg, state, tap_layer_ids, **kw)
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        c = self.cfg
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+        missing = []
+
+        def get(name, shape, needed=True):
+            t = state.get(name)
+            if t is None:
+                if needed:
+                    missing.append(name)
+                return None
+            if tuple(t.shape) != shape:
+                raise ValueError(f"weight {name}: expected shape {shape}, got {tuple(t.shape)}")
+            return t.detach()
+
+        self.embed = get("embed_tokens.weight", (c.vocab_size, H))                          # [V, H]
+        self.norm = get("norm.weight", (H,))                                                # [H]
+        self.lm_head = get("lm_head.weight", (c.vocab_size, H), needed=not c.tie_word_embeddings)
+        if self.lm_head is None:
+            self.lm_head = self.embed                                                       # [V, H]
+        self.layers = []
+        for i in range(c.num_layers):
+            p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            ab, mb = c.attention_bias, c.mlp_bias
+            self.layers.append(Layer(
+                attn_norm=get(p + "input_layernorm.weight", (H,)),
+                wq=get(a + "q_proj.weight", (c.num_heads * D, H)),
+                wk=get(a + "k_proj.weight", (c.num_kv_heads * D, H)),
+                wv=get(a + "v_proj.weight", (c.num_kv_heads * D, H)),
+                wo=get(a + "o_proj.weight", (H, c.num_heads * D)),
+                mlp_norm=get(p + "post_attention_layernorm.weight", (H,)),
+                w_gate=get(m + "gate_proj.weight", (I, H)), w_up=get(m + "up_proj.weight", (I, H)),
+                w_down=get(m + "down_proj.weight", (H, I)),
+                q_norm=get(a + "q_norm.weight", (D,), c.qk_norm), k_norm=get(a + "k_norm.weight", (D,), c.qk_norm),
+                bq=get(a + "q_proj.bias", (c.num_heads * D,), ab), bk=get(a + "k_proj.bias", (c.num_kv_heads * D,), ab),
+                bv=get(a + "v_proj.bias", (c.num_kv_heads * D,), ab), bo=get(a + "o_proj.bias", (H,), ab),
+                b_gate=get(m + "gate_proj.bias", (I,), mb), b_up=get(m + "up_proj.bias", (I,), mb),
+                b_down=get(m + "down_proj.bias", (H,), mb)))
+        if missing:
+            raise ValueError(f"{len(missing)} weights missing for this {c.family} config, e.g. {missing[:6]}")
+
+    # ---- static buffers --------------------------------------------------------------------------
+    def setup_cache(self, max_seq_len: int) -> None:
+        """Allocate the KV cache and RoPE tables for `max_seq_len` slots (zeros: masked slots stay finite)."""
+        c, dev, dt = self.cfg, self.embed.device, self.embed.dtype
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self.max_seq_len = max_seq_len
+        shape = (c.num_layers, c.num_kv_heads, max_seq_len, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dt, device=dev)                             # [L, Hkv, S, D]
+        self.v_cache = torch.zeros(shape, dtype=dt, device=dev)                             # [L, Hkv, S, D]
+        # fp32 angles as transformers computes them, then cast: the same cos/sin as the HF model
+        ang = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * rope_inv_freq(c)[None]   # [S, D/2]
+        ang = torch.cat([ang, ang], dim=-1)                                                 # [S, D]
+        self.cos, self.sin = ang.cos().to(device=dev, dtype=dt), ang.sin().to(device=dev, dtype=dt)
+        self.slots = torch.arange(max_seq_len, device=dev)                                  # [S]
+        self.one_node = torch.ones(1, 1, dtype=torch.bool, device=dev)                      # decode's tree
+        self.depth0 = torch.zeros(1, dtype=torch.long, device=dev)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def _forward(self, tokens, pos, slots, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, pos, slots [T] -> (final-norm hidden [T, H], taps [T, n_taps * H]); writes K/V into `slots`.
+        `attend(i, q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]` runs layer i's attention after the write."""
+        c = self.cfg
+        T, nh, nkv, D, eps = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        cos, sin = self.cos[pos], self.sin[pos]                                             # [T, D]
+        x = F.embedding(tokens, self.embed)                                                 # [T, H]
+        taps = {}
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w.attn_norm, eps)
+            q = F.linear(h, w.wq, w.bq).view(T, nh, D)
+            k = F.linear(h, w.wk, w.bk).view(T, nkv, D)
+            v = F.linear(h, w.wv, w.bv).view(T, nkv, D)
+            if c.qk_norm:
+                q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            self.k_cache[i].index_copy_(1, slots, k.transpose(0, 1))                        # [Hkv, S, D]
+            self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
+            o = attend(i, q, k, v)                                                          # [T, Hq, D]
+            x = x + F.linear(o.reshape(T, nh * D), w.wo, w.bo)
+            h = rms_norm(x, w.mlp_norm, eps)
+            x = x + F.linear(F.silu(F.linear(h, w.w_gate, w.b_gate)) * F.linear(h, w.w_up, w.b_up), w.w_down,
+                             w.b_down)
+            if i in self.tap_layer_ids:
+                taps[i] = x
+        h = rms_norm(x, self.norm, eps)
+        taps = torch.cat([taps[i] for i in self.tap_layer_ids], -1) if taps else h.new_zeros(T, 0)
+        return h, taps
+
+    def _sdpa(self, i: int, q: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+        """q [T, Hq, D] over cache slots [0, kv_len) of layer i; mask [T, kv_len] bool, or None for causal."""
+        k = self.k_cache[i, None, :, :kv_len]                                              # [1, Hkv, kv, D]
+        v = self.v_cache[i, None, :, :kv_len]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=True)                                # [1, Hq, T, D]
+        return o[0].transpose(0, 1)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor) -> DenseOutput:
+        """tokens [T] long -> DenseOutput (logits of the last position [1, V]; hidden, taps of all T). Overwrites the
+        cache from slot 0: the prompt becomes the committed prefix."""
+        T = tokens.shape[0]
+        if not 1 <= T <= self.max_seq_len:
+            raise ValueError(f"prefill needs 1..{self.max_seq_len} tokens (max_seq_len), got {T}")
+        pos = self.slots[:T]
+        h, taps = self._forward(tokens, pos, pos, lambda i, q, k, v: self._sdpa(i, q, None, T))
+        return DenseOutput(F.linear(h[-1:], self.lm_head), h, taps)
+
+    @torch.no_grad()
+    def verify_tree(self, tokens: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor, start) -> DenseOutput:
+        """Score a proposal tree in one pass.
+
+        tokens, depths [N] long (nodes in topological order, node 0 the root); anc [N, N] bool, inclusive ancestor
+        relation (anc[i, j]: j is on the path root..i); start: committed length (int, or a long tensor [1] on the
+        device). Node i is written to slot start + i at position start + depths[i] and attends to slots < start and
+        its ancestors. Returns DenseOutput with logits [N, V], hidden and taps for every node. Slots from start on
+        are not committed until `commit`.
+        """
+        N, dev = tokens.shape[0], self.device
+        if isinstance(start, int) and not 0 <= start <= self.max_seq_len - N:
+            raise ValueError(f"a tree of {N} nodes after {start} committed tokens does not fit the static cache of "
+                             f"{self.max_seq_len} slots")
+        start = torch.as_tensor(start, device=dev).reshape(1)                               # [1]
+        slots = start + torch.arange(N, device=dev)                                         # [N]
+        if self.attention == "triton":
+            attend = self._triton_attend(start, anc)
+        else:
+            mask = (self.slots < start)[None].expand(N, -1).clone()                         # [N, S] prefix
+            mask.index_copy_(1, slots, anc)                                                 # + ancestors
+            attend = lambda i, q, k, v: self._sdpa(i, q, mask, self.max_seq_len)            # noqa: E731
+        h, taps = self._forward(tokens, start + depths, slots, attend)
+        return DenseOutput(F.linear(h, self.lm_head), h, taps)
+
+    def _triton_attend(self, start: torch.Tensor, anc: torch.Tensor):
+        """Layer attention through the Triton tree kernel: the committed prefix is cache slots [0, start), the tree
+        keys are the nodes' own; the ancestor bitmask is packed once for all layers."""
+        from tfm_kernels.tree_attention import tree_attention
+        from tfm_kernels.tree_utils import pack_bits
+        N = anc.shape[0]
+        bits = pack_bits(anc[None])                                                         # [1, N, ceil(N/32)]
+        n = torch.full((1,), N, dtype=torch.int32, device=anc.device)
+
+        def attend(i, q, k, v):
+            kp = self.k_cache[i].transpose(0, 1)[None]                                      # [1, S, Hkv, D]
+            vp = self.v_cache[i].transpose(0, 1)[None]
+            return tree_attention(q[None], k[None], v[None], kp, vp, start, bits, n)[0]     # [N, Hq, D]
+        return attend
+
+    @torch.no_grad()
+    def decode(self, token: torch.Tensor, pos) -> torch.Tensor:
+        """token [1] long at position `pos` (int or long tensor [1]), attending to slots < pos -> logits [1, V].
+        Writes the token's K/V into slot pos, which becomes committed."""
+        return self.verify_tree(token, self.depth0, self.one_node, pos).logits
+
+    @torch.no_grad()
+    def commit(self, start, accepted: torch.Tensor) -> None:
+        """Move the accepted nodes' K/V (tree slots start + accepted, root first, in path order) to slots
+        start..start+A-1, every layer in one gather and one scatter per cache. accepted [A] long on the device."""
+        start = torch.as_tensor(start, device=self.device).reshape(1)
+        src = start + accepted                                                              # [A]
+        dst = start + torch.arange(accepted.shape[0], device=self.device)                   # [A]
+        for cache in (self.k_cache, self.v_cache):
+            cache.index_copy_(2, dst, cache.index_select(2, src))                           # [L, Hkv, A, D]

@@ -1,0 +1,332 @@
+"""The Weaver tree build as a fixed sequence of batched tensor steps: no per-node Python, no host synchronisation.
+
+`StaticWeaverTreeBuilder` builds, for B rows at once, the trees `tfm_runtime.weaver_tree.build_weaver_trees` builds
+(the same nodes in the same order, the same parents, depths and log q, ties broken the same way), with every buffer
+allocated once on the builder, so that one build can be captured in a CUDA graph and replayed.
+
+The reference grows each tree best-first from a heap: it pops up to `width` entries by (highest score, earliest
+insertion), places them as nodes, expands them in one batched Weaver step and pushes each expanded node's top-E
+children (E = min(expand, K)). Here every tree runs the same fixed number R of rounds (`weaver_tree_rounds`):
+
+    root step:  one Weaver step (width 1, K/V slot 0) on the root -> its children enter the frontier
+    round r = 1 .. R:
+        rank:   every frontier entry gets its rank by (score descending, insertion order ascending): pairwise
+                comparisons, a permutation; the entries of rank < width are this round's `width` placement slots
+        place:  slot w becomes a node when its entry is valid and w < budget + 1 - count (the remaining budget)
+        keep:   the entries of rank width .. width+budget-1 stay, in rank order; the rest can never be placed
+                (at most `budget` more nodes are ever placed and later entries only push them further down)
+        step:   (r < R) one Weaver step over the `width` slots (K/V slots 1+(r-1)width ..): slot w sees the prefix,
+                its parent's visible slots plus the parent's slot, and itself; a slot that is not placed, or sits at
+                depth L, is padding (token 0, depth 0, sees nothing) as in the reference, and pushes nothing
+        push:   slot w's top-E candidates of row depth enter the frontier as children (invalid where log q = -inf)
+    finish:     placement slots -> node ids by a cumulative sum over slots (placement order = node order)
+
+Insertion order is a counter per step, slot and child rank, (step * width + w) * E + j: the order in which the
+reference's heap pushes (it skips the invalid children, which does not change the relative order), so equal
+scores go to the earlier push as in the heap. Scores are float64 sums of the float64 log q of each step, as the
+reference's Python floats. Each node's Weaver step sees the keys the reference's step sees for it (the prefix, its
+ancestors' slots, itself). The reference sizes a step by the row that expands most nodes, so where its step is
+narrower than `width` the same keys sit at other offsets and products of other shapes can round the last bit of
+log q differently (the reference's own log q for a row moves the same way with the other rows of its batch);
+where every reference step is `width` wide, log q is equal bit for bit.
+
+Why R depends on L as well: the reference places fewer than `width` nodes in a round when its frontier holds fewer
+entries ("short" rounds: expand < width, invalid candidates, nodes at depth L that expand nothing), so its round
+count is data dependent. A short round consumes the whole frontier, so the shallowest frontier depth grows by one
+from one short round to the next: at most L short rounds, each placing >= 1 node, the other rounds placing `width`.
+`weaver_tree_rounds(budget, width, L)` is the largest round count that allows, hence every tree is finished after
+R rounds. A smaller `rounds` runs faster (ceil(budget / width) is enough whenever no round is short) and reports
+the trees it may have cut short in `truncated`.
+
+Tensors on the builder (B rows, N = budget, Wd = width, E = children per node, K candidates, L depths,
+R rounds, S = 1 + (R-1) Wd K/V slots, P = 1 + R Wd placement slots, M = N + Wd E frontier entries):
+
+    state.k[i], state.v[i]  [B, nh, 1+L+S, hd]  Weaver K/V per layer (WeaverState.static): the prefix, then the slots
+    visible                 [B, S, S] bool      row s: the K/V slots of the strict ancestors of the node in slot s
+    front_int               [B, M, 4] long      frontier (order, parent slot, token, depth); rows 0..N-1 the kept
+                                                entries in rank order, rows N.. the children of the last step
+    front_flt               [B, M, 2] float64   frontier (score, log q); score -inf marks an invalid entry
+    slot_int                [B, P, 3] long      placement slots (parent slot, token, depth); slot 0 the root
+    slot_flt                [B, P, 2] float64   placement slots (score, log q)
+    slot_placed             [B, P] bool         the slot holds a node
+    count                   [B] long            nodes placed so far (root included)
+    perm                    [B, M] long         scratch: perm[b, k] = the frontier entry of rank k
+    tokens, parents, depths [B, N+2] long       output nodes (column N+1 collects the writes of unplaced slots)
+    draft_logprobs          [B, N+2] float64    output log q (root 0)
+    num_nodes               [B] long            nodes per tree (<= N+1)
+    truncated               [B] bool            the tree could still grow with more rounds (always False at the
+                                                default R except where every child of a last-round node is invalid)
+
+Outputs past a tree's `num_nodes` are padding: token 0, parent -1, depth 0, log q 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tfm_runtime.models.weaver import Weaver, WeaverState
+from tfm_runtime.tree import Tree
+
+
+def weaver_tree_rounds(budget: int, width: int, lookahead: int) -> int:
+    """The most placement rounds the reference best-first build can take: at most `lookahead` short rounds (>= 1
+    node each), the others `width` nodes each, the last one possibly cut by the budget."""
+    best = 0
+    for last in (0, 1):                                         # 1: a last round that fills the budget
+        for short in range(min(lookahead, budget - last) + 1):
+            best = max(best, short + last + (budget - short - last) // width)
+    return max(best, 1)
+
+
+@dataclass(frozen=True)
+class WeaverTrees:
+    """B trees as padded rows (views of the builder's buffers, overwritten by its next build).
+
+    tokens, parents, depths [B, N+1] long; draft_logprobs [B, N+1] float64; num_nodes [B] long; truncated [B] bool.
+    """
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    draft_logprobs: torch.Tensor
+    num_nodes: torch.Tensor
+    truncated: torch.Tensor
+
+    def tree(self, b: int) -> Tree:
+        """Row b as a `Tree` (reads the node count on the host)."""
+        n = int(self.num_nodes[b])
+        return Tree(tokens=self.tokens[b, :n].clone(), parents=self.parents[b, :n].clone(),
+                    depths=self.depths[b, :n].clone(), draft_logprobs=self.draft_logprobs[b, :n].clone())
+
+    def trees(self) -> list[Tree]:
+        return [self.tree(b) for b in range(self.tokens.shape[0])]
+
+
+class StaticWeaverTreeBuilder:
+    """Best-first Weaver trees for `batch` rows in R shape-static rounds, buffers allocated once (module docstring).
+
+    `K`, `L`: candidates per depth and depths of the inputs (cand_ids [B, L, K]); the tree uses the first
+    min(L, weaver.cfg.lookahead) depths, as the reference. `width` defaults to ceil(budget / 16) as the reference;
+    `rounds` defaults to `weaver_tree_rounds`, which reproduces the reference on every input.
+    """
+
+    def __init__(self, weaver: Weaver, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, budget: int, *,
+                 K: int, L: int, batch: int, expand: int = 8, width: int | None = None, rounds: int | None = None,
+                 device=None, dtype=None):
+        if budget < 1 or (rounds is not None and rounds < 1):
+            raise ValueError(f"budget and rounds must be >= 1, got budget={budget}, rounds={rounds}")
+        width = width or max(1, math.ceil(budget / 16))
+        if min(width, expand, K, L, batch) < 1 or min(L, weaver.cfg.lookahead) < 1:
+            raise ValueError(f"width, expand, K, L, batch and the Weaver lookahead must be >= 1, got width={width}, "
+                             f"expand={expand}, K={K}, L={L}, batch={batch}, lookahead={weaver.cfg.lookahead}")
+        p = next(weaver.parameters())
+        self.device = torch.device(device) if device is not None else p.device
+        self.dtype = dtype or p.dtype
+        self.weaver, self.embed_weight, self.lm_head_weight = weaver, embed_weight, lm_head_weight
+        self.budget, self.width, self.K, self.L_in, self.batch = budget, width, K, L, batch
+        self.L = min(L, weaver.cfg.lookahead)
+        self.E = min(expand, K)
+        self.rounds = rounds or weaver_tree_rounds(budget, width, self.L)
+        B, N, Wd, E, R = batch, budget, width, self.E, self.rounds
+        S, P, M = 1 + (R - 1) * Wd, 1 + R * Wd, N + Wd * E
+        self.slots, self.placements, self.front = S, P, M
+        dev, cfg = self.device, weaver.cfg
+        long = dict(device=dev, dtype=torch.long)
+        f64 = dict(device=dev, dtype=torch.float64)
+
+        self.state = WeaverState.static(cfg.num_layers, B, cfg.num_heads, 1 + self.L, cfg.d_rank // cfg.num_heads, S,
+                                        device=dev, dtype=self.dtype)   # k, v [B, nh, 1+L+S, hd] per layer
+        self.visible = torch.zeros(B, S, S, device=dev, dtype=torch.bool)      # [B, S, S]
+        self.front_int = torch.zeros(B, M, 4, **long)                           # [B, M, (order, parent, token, depth)]
+        self.front_flt = torch.zeros(B, M, 2, **f64)                            # [B, M, (score, log q)]
+        self.slot_int = torch.zeros(B, P, 3, **long)                            # [B, P, (parent, token, depth)]
+        self.slot_flt = torch.zeros(B, P, 2, **f64)                             # [B, P, (score, log q)]
+        self.slot_placed = torch.zeros(B, P, device=dev, dtype=torch.bool)      # [B, P]
+        self.count = torch.zeros(B, **long)                                     # [B]
+        self.perm = torch.zeros(B, M, **long)                                   # [B, M]
+        self.tokens = torch.zeros(B, N + 2, **long)                             # [B, N+2]
+        self.parents = torch.zeros(B, N + 2, **long)                            # [B, N+2]
+        self.depths = torch.zeros(B, N + 2, **long)                             # [B, N+2]
+        self.draft_logprobs = torch.zeros(B, N + 2, **f64)                      # [B, N+2]
+        self.num_nodes = torch.zeros(B, **long)                                 # [B]
+        self.truncated = torch.zeros(B, device=dev, dtype=torch.bool)           # [B]
+        # constants
+        self.ar_front = torch.arange(M, **long).expand(B, M)                    # [B, M]
+        self.ar_width = torch.arange(Wd, **long)                                # [Wd]
+        self.ar_slots = torch.arange(S, **long)                                 # [S]
+        self.kept_order = torch.arange(N, **long) - N                           # [N]: below every pushed order
+        self.child_order = torch.arange(Wd * E, **long)                         # [Wd*E]
+        self.zeros_long = torch.zeros(B, Wd, **long)                            # [B, Wd]
+        self.root_depth = torch.zeros(B, 1, **long)                             # [B, 1]
+        self.root_active = torch.ones(B, 1, device=dev, dtype=torch.bool)       # [B, 1]
+        self.root_score = torch.zeros(B, 1, **f64)                              # [B, 1]
+        self.result = WeaverTrees(self.tokens[:, : N + 1], self.parents[:, : N + 1], self.depths[:, : N + 1],
+                                  self.draft_logprobs[:, : N + 1], self.num_nodes, self.truncated)
+        self._graph = None
+        self._graph_inputs: tuple[torch.Tensor, ...] | None = None
+
+    # ---- public --------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def build(self, roots: torch.Tensor, h_final: torch.Tensor, dflash_hidden: torch.Tensor, cand_ids: torch.Tensor,
+              cand_logits: torch.Tensor) -> WeaverTrees:
+        """roots [B] long; h_final [B, H]; dflash_hidden [B, L, H]; cand_ids/cand_logits [B, L, K] (DFlash top-K,
+        raw logits) -> WeaverTrees (views of the builder's buffers). Replays the CUDA graph after `capture`."""
+        inputs = (roots, h_final, dflash_hidden, cand_ids, cand_logits)
+        self._check(inputs)
+        if self._graph is None:
+            self._run(*inputs)
+        else:
+            for dst, src in zip(self._graph_inputs, inputs):
+                if dst.dtype != src.dtype or dst.shape != src.shape:
+                    raise ValueError(f"captured with {dst.dtype} {tuple(dst.shape)}, "
+                                     f"got {src.dtype} {tuple(src.shape)}")
+                dst.copy_(src)
+            self._graph.replay()
+        return self.result
+
+    @torch.no_grad()
+    def capture(self, roots: torch.Tensor, h_final: torch.Tensor, dflash_hidden: torch.Tensor,
+                cand_ids: torch.Tensor, cand_logits: torch.Tensor, warmup: int = 2) -> None:
+        """Capture one build in a CUDA graph (inputs copied into static buffers shaped like these examples); later
+        `build` calls copy their inputs there and replay it. CUDA only."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA-graph capture needs a CUDA device; on the CPU `build` runs eagerly")
+        inputs = (roots, h_final, dflash_hidden, cand_ids, cand_logits)
+        self._check(inputs)
+        self._graph_inputs = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):                     # compile kernels and fill the allocator before capture
+            for _ in range(warmup):
+                self._run(*self._graph_inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._run(*self._graph_inputs)
+        self._graph = graph
+
+    # ---- one build ---------------------------------------------------------------------------------------
+    def _check(self, inputs) -> None:
+        roots, h_final, dflash_hidden, cand_ids, cand_logits = inputs
+        B, L, K = self.batch, self.L_in, self.K
+        want = {"roots": (B,), "h_final": (B, h_final.shape[-1]), "dflash_hidden": (B, L, dflash_hidden.shape[-1]),
+                "cand_ids": (B, L, K), "cand_logits": (B, L, K)}
+        for (name, shape), t in zip(want.items(), inputs):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
+
+    def _run(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
+        """The whole build on the static buffers: reset, root step, R rounds, finish (a fixed op sequence)."""
+        B, N, Wd, L, R = self.batch, self.budget, self.width, self.L, self.rounds
+        self.state.reset(self.weaver.prefix(h_final, dflash_hidden[:, :L]))
+        self.visible[:, 0].zero_()                                             # the root sees no node slot
+        self.front_flt[:, :, 0].fill_(-math.inf)                               # empty frontier
+        self.front_int[:, :N, 0].copy_(self.kept_order)
+        self.slot_int[:, 0, 0].fill_(-1)
+        self.slot_int[:, 0, 1].copy_(roots)
+        self.slot_int[:, 0, 2].fill_(0)
+        self.slot_flt[:, 0].zero_()
+        self.slot_placed[:, 0].fill_(True)
+        self.count.fill_(1)
+        root = roots[:, None]                                                  # [B, 1]
+        h = self.weaver.step(self.state, root, self.root_depth, self.visible[:, :1, :0], self.embed_weight)  # [B,1,r]
+        self._push(h, 0, 0, self.root_depth, self.root_active, self.root_score, cand_ids, cand_logits)
+        for r in range(1, R + 1):
+            s0 = 1 + (r - 1) * Wd                                              # first placement slot of round r
+            tok, parent, dep, score, active = self._place(s0)                  # [B, Wd] each
+            if r < R:
+                # slot w sees its parent's visible slots and the parent's own slot (a parent always has one)
+                par = parent.clamp(min=0)                                      # [B, Wd]
+                rows = self.visible.gather(1, par[..., None].expand(B, Wd, self.slots))   # [B, Wd, S]
+                rows = (rows | (self.ar_slots == par[..., None])) & active[..., None]      # [B, Wd, S]
+                self.visible[:, s0: s0 + Wd] = rows
+                tok = torch.where(active, tok, self.zeros_long)                # [B, Wd] padding: token 0
+                dep = torch.where(active, dep, self.zeros_long)                # [B, Wd] padding: depth 0
+                h = self.weaver.step(self.state, tok, dep, rows[:, :, :s0], self.embed_weight)   # [B, Wd, r]
+                self._push(h, r, s0, dep, active, score, cand_ids, cand_logits)
+        self._finish(active)
+
+    def _push(self, h, step: int, s0: int, dep, active, score, cand_ids, cand_logits) -> None:
+        """Children of the W slots of one step into frontier rows N .. N+Wd*E-1.
+
+        h [B, W, r]; dep [B, W] long; active [B, W] bool (the slot is a node that expands); score [B, W] f64.
+        """
+        B, W = dep.shape
+        N, E, K, L = self.budget, self.E, self.K, self.L
+        row = dep.clamp(max=L - 1)[..., None].expand(B, W, K)                 # [B, W, K] candidate row = depth
+        ids = cand_ids.gather(1, row)                                          # [B, W, K]
+        logits = cand_logits.gather(1, row)                                    # [B, W, K]
+        top = self.weaver.score(h, ids, logits, self.lm_head_weight).topk(E, dim=-1)   # [B, W, E]
+        logq = top.values.to(torch.float64)                                    # [B, W, E]
+        valid = active[..., None] & (logq > -math.inf)                         # [B, W, E] (NaN: invalid)
+        child_score = torch.where(valid, score[..., None] + logq, -math.inf)   # [B, W, E]
+        n = W * E
+        ints = self.front_int[:, N: N + n].view(B, W, E, 4)                    # [B, W, E, 4]
+        ints[..., 1] = (s0 + self.ar_width[:W])[:, None]                      # parent slot
+        ints[..., 2] = ids.gather(-1, top.indices)                             # token
+        ints[..., 3] = (dep + 1)[..., None]                                    # depth
+        flts = self.front_flt[:, N: N + n].view(B, W, E, 2)                    # [B, W, E, 2]
+        flts[..., 0] = child_score
+        flts[..., 1] = logq
+        self.front_flt[:, N + n:, 0] = -math.inf                               # rows no slot of this step fills
+        self.front_int[:, N:, 0] = step * self.width * E + self.child_order    # insertion order [Wd*E]
+
+    def _place(self, s0: int):
+        """Rank the frontier, place the first `width` entries into slots s0 .. s0+Wd-1, keep the next `budget`.
+
+        Returns the slots' token, parent slot, depth [B, Wd] long, score [B, Wd] f64 and active [B, Wd] bool (placed
+        at a depth that still has a candidate row, i.e. expands in the next step)."""
+        B, N, Wd, M = self.batch, self.budget, self.width, self.front
+        key = self.front_flt[:, :, 0]                                          # [B, M]
+        order = self.front_int[:, :, 0]                                        # [B, M]
+        ki, kj = key[:, :, None], key[:, None, :]                              # [B, M, 1], [B, 1, M]
+        ahead = (kj > ki) | ((kj == ki) & (order[:, None, :] < order[:, :, None]))   # [B, M, M]: j before i
+        rank = ahead.sum(-1)                                                   # [B, M], a permutation of 0..M-1
+        self.perm.scatter_(1, rank, self.ar_front)                             # [B, M]
+        take = self.perm[:, :Wd]                                               # [B, Wd]
+        ints = self.front_int.gather(1, take[..., None].expand(B, Wd, 4))      # [B, Wd, 4]
+        flts = self.front_flt.gather(1, take[..., None].expand(B, Wd, 2))      # [B, Wd, 2]
+        placed = (flts[..., 0] > -math.inf) & (self.ar_width < (N + 1 - self.count)[:, None])   # [B, Wd]
+        self.slot_int[:, s0: s0 + Wd] = ints[..., 1:]
+        self.slot_flt[:, s0: s0 + Wd] = flts
+        self.slot_placed[:, s0: s0 + Wd] = placed
+        self.count += placed.sum(1)
+        keep = self.perm[:, Wd: Wd + N]                                        # [B, N]
+        self.front_int[:, :N] = self.front_int.gather(1, keep[..., None].expand(B, N, 4))
+        self.front_flt[:, :N] = self.front_flt.gather(1, keep[..., None].expand(B, N, 2))
+        dep = ints[..., 3]                                                     # [B, Wd]
+        return ints[..., 2], ints[..., 1], dep, flts[..., 0], placed & (dep < self.L)
+
+    def _finish(self, last_active) -> None:
+        """Placement slots -> node rows; `truncated` where entries or expandable nodes are left.
+
+        last_active [B, Wd]: the last round's slots that would expand."""
+        N = self.budget
+        placed = self.slot_placed                                              # [B, P]
+        node = placed.cumsum(1) - 1                                            # [B, P] node id of a placed slot
+        dst = torch.where(placed, node, N + 1)                                 # [B, P]: unplaced -> column N+1
+        parent_slot = self.slot_int[:, :, 0]                                   # [B, P]
+        parent = torch.where(parent_slot >= 0, node.gather(1, parent_slot.clamp(min=0)), -1)   # [B, P]
+        self.tokens.zero_().scatter_(1, dst, self.slot_int[:, :, 1])
+        self.parents.fill_(-1).scatter_(1, dst, parent)
+        self.depths.zero_().scatter_(1, dst, self.slot_int[:, :, 2])
+        self.draft_logprobs.zero_().scatter_(1, dst, self.slot_flt[:, :, 1])
+        self.num_nodes.copy_(placed.sum(1))
+        left = (self.front_flt[:, :N, 0] > -math.inf).any(1) | last_active.any(1)   # [B]
+        torch.logical_and(self.num_nodes < N + 1, left, out=self.truncated)
+
+
+def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents [B, N] long (-1 at roots and padding) -> [B, N, N] bool, inclusive: row i is True at i and its
+    ancestors. `max_depth` walks up (the deepest node's depth, e.g. the lookahead L); no host reads, so a padded
+    row of `WeaverTrees` gives its padding nodes a row that sees only themselves (as `graphs.pad_tree`)."""
+    B, N = parents.shape
+    mask = torch.eye(N, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)          # [B, N, N]
+    up = parents                                                                          # [B, N] ancestor so far
+    for _ in range(max_depth):
+        live = up >= 0                                                                    # [B, N]
+        at = up.clamp(min=0)[..., None]                                                   # [B, N, 1]
+        mask.scatter_(2, at, mask.gather(2, at) | live[..., None])
+        up = torch.where(live, parents.gather(1, up.clamp(min=0)), up)
+    return mask

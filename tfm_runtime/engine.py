@@ -82,6 +82,31 @@ def check_models(target: TargetModel, drafter: DFlashDrafter, adapter: Weaver | 
             raise ContractError(name, expected, actual, "SpeculativeDecoder")
 
 
+def check_decoder_arguments(target, drafter: DFlashDrafter, adapter: Weaver | None, proposal: str | None,
+                            verification: str, tree_budget: int, where: str) -> tuple[TargetModel, str]:
+    """A decoder's arguments checked (ValueError, ContractError naming the field) -> (the target as a TargetModel,
+    the proposal: Weaver trees when an adapter is given, else DDTree)."""
+    if not isinstance(target, TargetModel):
+        target = TargetModel(target, drafter.cfg.target_layer_ids)
+    proposal = proposal or ("weaver" if adapter is not None else "ddtree")
+    if proposal not in PROPOSALS:
+        raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
+    if proposal == "weaver" and adapter is None:
+        raise ValueError("proposal='weaver' needs a Weaver adapter (load one with tfm_runtime.load_adapter)")
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
+    if verification == "chain_sampling" and proposal != "chain":
+        raise ValueError(f"verification='chain_sampling' needs proposal='chain' (drafts sampled from DFlash), "
+                         f"got proposal={proposal!r}")
+    if tree_budget < 1:
+        raise ValueError(f"tree_budget must be >= 1, got {tree_budget}")
+    check_models(target, drafter, adapter)
+    if adapter is not None and adapter.contract is not None:
+        check_adapter(adapter.contract, adapter, target=target, drafter=drafter,
+                      where=f"{where}: adapter {adapter.source or '(built in code)'}")
+    return target, proposal
+
+
 class SpeculativeDecoder:
     """Speculative decoding of one request at a time with a target, its DFlash drafter and optionally a Weaver.
 
@@ -100,24 +125,8 @@ class SpeculativeDecoder:
     def __init__(self, target, drafter: DFlashDrafter, adapter: Weaver | None = None, *, tree_budget: int = 64,
                  proposal: str | None = None, verification: str = "auto", expand: int = 8,
                  width: int | None = None, gdn_backend: str = "auto"):
-        if not isinstance(target, TargetModel):
-            target = TargetModel(target, drafter.cfg.target_layer_ids)
-        proposal = proposal or ("weaver" if adapter is not None else "ddtree")
-        if proposal not in PROPOSALS:
-            raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
-        if proposal == "weaver" and adapter is None:
-            raise ValueError("proposal='weaver' needs a Weaver adapter (load one with tfm_runtime.load_adapter)")
-        if verification not in VERIFICATIONS:
-            raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
-        if verification == "chain_sampling" and proposal != "chain":
-            raise ValueError(f"verification='chain_sampling' needs proposal='chain' (drafts sampled from DFlash), "
-                             f"got proposal={proposal!r}")
-        if tree_budget < 1:
-            raise ValueError(f"tree_budget must be >= 1, got {tree_budget}")
-        check_models(target, drafter, adapter)
-        if adapter is not None and adapter.contract is not None:
-            check_adapter(adapter.contract, adapter, target=target, drafter=drafter,
-                          where=f"SpeculativeDecoder: adapter {adapter.source or '(built in code)'}")
+        target, proposal = check_decoder_arguments(target, drafter, adapter, proposal, verification, tree_budget,
+                                                   "SpeculativeDecoder")
         self.target, self.drafter, self.adapter = target, drafter, adapter
         self.tree_budget, self.proposal, self.verification = tree_budget, proposal, verification
         self.expand, self.width = expand, width

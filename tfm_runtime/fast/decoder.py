@@ -18,15 +18,12 @@ import time
 
 import torch
 
-from tfm_runtime.engine import PROPOSALS, VERIFICATIONS, DecodeStats, GenerationOutput, SpeculativeDecoder, \
-    check_models
+from tfm_runtime.engine import DecodeStats, GenerationOutput, SpeculativeDecoder, check_decoder_arguments
 from tfm_runtime.fast.ddtree import StaticChainBuilder, StaticDDTreeBuilder
 from tfm_runtime.fast.dense import DenseModel
 from tfm_runtime.fast.graphs import GraphedDense
 from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
-from tfm_runtime.hub import check_adapter
 from tfm_runtime.models.dflash import DFlashDrafter
-from tfm_runtime.models.target import TargetModel
 from tfm_runtime.models.weaver import Weaver
 from tfm_runtime.sampling import filter_probs
 
@@ -57,24 +54,8 @@ class FastDecoder:
                  proposal: str | None = None, verification: str = "auto", expand: int = 8,
                  width: int | None = None, gdn_backend: str = "auto", max_seq_len: int | None = None,
                  attention: str = "auto", cuda_graphs: bool = False, weaver_rounds: int | None = None):
-        if not isinstance(target, TargetModel):
-            target = TargetModel(target, drafter.cfg.target_layer_ids)
-        proposal = proposal or ("weaver" if adapter is not None else "ddtree")
-        if proposal not in PROPOSALS:
-            raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
-        if proposal == "weaver" and adapter is None:
-            raise ValueError("proposal='weaver' needs a Weaver adapter (load one with tfm_runtime.load_adapter)")
-        if verification not in VERIFICATIONS:
-            raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
-        if verification == "chain_sampling" and proposal != "chain":
-            raise ValueError(f"verification='chain_sampling' needs proposal='chain' (drafts sampled from DFlash), "
-                             f"got proposal={proposal!r}")
-        if tree_budget < 1:
-            raise ValueError(f"tree_budget must be >= 1, got {tree_budget}")
-        check_models(target, drafter, adapter)
-        if adapter is not None and adapter.contract is not None:
-            check_adapter(adapter.contract, adapter, target=target, drafter=drafter,
-                          where=f"FastDecoder: adapter {adapter.source or '(built in code)'}")
+        target, proposal = check_decoder_arguments(target, drafter, adapter, proposal, verification, tree_budget,
+                                                   "FastDecoder")
         if max_seq_len is None:
             max_seq_len = min(getattr(target.config, "max_position_embeddings", None) or 4096, 4096)
         self.target, self.drafter, self.adapter = target, drafter, adapter

@@ -163,6 +163,8 @@ class DenseModel:
     Build with `DenseModel.from_hf(model, ...)` or `DenseModel.from_pretrained(folder, ...)`.
     """
 
+    config_class = DenseConfig              # what from_hf / from_pretrained read the HF config into
+
     def __init__(self, cfg: DenseConfig, state: dict[str, torch.Tensor], tap_layer_ids=(), *,
                  max_seq_len: int = 2048, attention: str = "auto"):
         self.cfg = cfg
@@ -189,7 +191,7 @@ class DenseModel:
         if isinstance(model, TargetModel):
             tap_layer_ids = tap_layer_ids or model.tap_layer_ids
             model = model.model
-        return cls(DenseConfig.from_hf(model.config), dict(model.state_dict()), tap_layer_ids, **kw)
+        return cls(cls.config_class.from_hf(model.config), dict(model.state_dict()), tap_layer_ids, **kw)
 
     @classmethod
     def from_pretrained(cls, path: str, tap_layer_ids=(), *, dtype: torch.dtype | None = None, device=None,
@@ -197,7 +199,7 @@ class DenseModel:
         """From a folder of config.json + *.safetensors (Hugging Face layout; never pickle)."""
         from tfm_runtime.models.common import load_safetensors_dir
         config, state = load_safetensors_dir(path)
-        cfg = DenseConfig.from_hf(config)
+        cfg = cls.config_class.from_hf(config)
         state = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state.items()}
         return cls(cfg, state, tap_layer_ids, **kw)
 

@@ -241,6 +241,8 @@ class HybridModel(DenseModel):
     `HybridModel.from_pretrained(folder, ...)`.
     """
 
+    config_class = HybridConfig
+
     def __init__(self, cfg: HybridConfig, state: dict[str, torch.Tensor], tap_layer_ids=(), *,
                  max_seq_len: int = 2048, attention: str = "auto", gdn: str = "auto"):
         super().__init__(cfg, state, tap_layer_ids, max_seq_len=max_seq_len, attention=attention)
@@ -256,27 +258,7 @@ class HybridModel(DenseModel):
         self.gdn = gdn
         self._stash: GDNStash | None = None
 
-    # ---- weights ---------------------------------------------------------------------------------
-    @classmethod
-    def from_hf(cls, model, tap_layer_ids=(), **kw) -> "HybridModel":
-        """From a Hugging Face Qwen3NextForCausalLM / Qwen3_5ForCausalLM (or a TargetModel wrapping one); the tensors
-        are the model's own (no copy)."""
-        from tfm_runtime.models.target import TargetModel
-        if isinstance(model, TargetModel):
-            tap_layer_ids = tap_layer_ids or model.tap_layer_ids
-            model = model.model
-        return cls(HybridConfig.from_hf(model.config), dict(model.state_dict()), tap_layer_ids, **kw)
-
-    @classmethod
-    def from_pretrained(cls, path: str, tap_layer_ids=(), *, dtype: torch.dtype | None = None, device=None,
-                        **kw) -> "HybridModel":
-        """From a folder of config.json + *.safetensors (Hugging Face layout; never pickle)."""
-        from tfm_runtime.models.common import load_safetensors_dir
-        config, state = load_safetensors_dir(path)
-        cfg = HybridConfig.from_hf(config)
-        state = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state.items()}
-        return cls(cfg, state, tap_layer_ids, **kw)
-
+    # ---- weights (from_hf / from_pretrained: DenseModel's, reading the config as a HybridConfig) ----------
     def _load(self, state: dict[str, torch.Tensor]) -> None:
         c = self.cfg
         state = {k.removeprefix("model."): v for k, v in state.items()}

@@ -152,7 +152,7 @@ def test_two_process_own_clipping_matches_deepspeed_clipping(data, tmp_path):
         assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) <= 1e-5, stage
 
 
-# ---- 2. SIGKILL after a checkpoint, or SIGTERM, then resume: the same loss trace --------------------------------------
+# ---- 2. SIGKILL after a checkpoint, or SIGTERM, then resume: the same loss trace -------------------------------------
 def test_resume_after_sigkill_or_sigterm_gives_the_uninterrupted_loss_trace(data, tmp_path):
     base = {**WEAVER, "data": [str(data / "anchors")], "steps": 40, "micro_batch": 8, "grad_accum": 2,
             "eval_every": 30, "eval_rows": 16, "eval_budgets": [4], "checkpoint_every": 20, "log_every": 1,

@@ -65,6 +65,15 @@ class GenerationOutput:
     stats: DecodeStats
 
 
+def finish(new: list[int], stats: DecodeStats, max_new_tokens: int, eos_token_id: int | None) -> GenerationOutput:
+    """The emitted tokens cut after the first EOS and at max_new_tokens, with their counts in the stats."""
+    if eos_token_id is not None and eos_token_id in new:
+        new = new[: new.index(eos_token_id) + 1]
+    new = new[:max_new_tokens]
+    stats.new_tokens, stats.verify_steps = len(new), len(stats.accept_lengths)
+    return GenerationOutput(tokens=new, stats=stats)
+
+
 def check_models(target: TargetModel, drafter: DFlashDrafter, adapter: Weaver | None) -> None:
     """Raise ContractError naming the first field where the three models disagree."""
     dc = drafter.cfg
@@ -219,8 +228,4 @@ class SpeculativeDecoder:
             stats.accept_lengths.append(len(accepted))
             stats.tree_sizes.append(tree.num_nodes)
             t = self._tick(stats, "commit", t)
-        if eos_token_id is not None and eos_token_id in new:
-            new = new[: new.index(eos_token_id) + 1]
-        new = new[:max_new_tokens]
-        stats.new_tokens, stats.verify_steps = len(new), len(stats.accept_lengths)
-        return GenerationOutput(tokens=new, stats=stats)
+        return finish(new, stats, max_new_tokens, eos_token_id)

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tfm_runtime.engine import DecodeStats, GenerationOutput, SpeculativeDecoder, check_decoder_arguments
+from tfm_runtime.engine import DecodeStats, GenerationOutput, SpeculativeDecoder, check_decoder_arguments, finish
 from tfm_runtime.fast.ddtree import StaticChainBuilder, StaticDDTreeBuilder
 from tfm_runtime.fast.dense import DenseModel
 from tfm_runtime.fast.graphs import GraphedDense
@@ -146,11 +146,7 @@ class FastDecoder:
             stats.accept_lengths.append(len(accepted))
             stats.tree_sizes.append(tree.num_nodes)
             t = self._tick(stats, "commit", t)
-        if eos_token_id is not None and eos_token_id in new:
-            new = new[: new.index(eos_token_id) + 1]
-        new = new[:max_new_tokens]
-        stats.new_tokens, stats.verify_steps = len(new), len(stats.accept_lengths)
-        return GenerationOutput(tokens=new, stats=stats)
+        return finish(new, stats, max_new_tokens, eos_token_id)
 
     def _static_tree(self, b, bonus: int, draft_logits, draft_hidden, h_last):
         """b: the static chain, DDTree or Weaver builder; draft_logits [L, V], draft_hidden [L, H], h_last [H] ->

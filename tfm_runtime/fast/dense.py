@@ -19,6 +19,7 @@ Qwen3's per-head q/k RMSNorm), so logits agree with the HF model to rounding.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -155,6 +156,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
 
 
+def checked_weight(state: dict[str, torch.Tensor], missing: list[str], name: str, shape, needed: bool = True):
+    """state[name] detached, after checking its shape (ValueError naming the weight); None if absent, and the name
+    appended to `missing` when the weight is needed."""
+    t = state.get(name)
+    if t is None:
+        if needed:
+            missing.append(name)
+        return None
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"weight {name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t.detach()
+
+
 class DenseModel:
     """A dense Llama / Qwen3 target for batch 1 with a static KV cache of `max_seq_len` slots.
 
@@ -208,16 +222,7 @@ class DenseModel:
         state = {k.removeprefix("model."): v for k, v in state.items()}
         H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
         missing = []
-
-        def get(name, shape, needed=True):
-            t = state.get(name)
-            if t is None:
-                if needed:
-                    missing.append(name)
-                return None
-            if tuple(t.shape) != shape:
-                raise ValueError(f"weight {name}: expected shape {shape}, got {tuple(t.shape)}")
-            return t.detach()
+        get = functools.partial(checked_weight, state, missing)
 
         self.embed = get("embed_tokens.weight", (c.vocab_size, H))                          # [V, H]
         self.norm = get("norm.weight", (H,))                                                # [H]

@@ -30,13 +30,14 @@ triangular solve, the commit kernels; CUDA, or the CPU under TRITON_INTERPRET=1)
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from tfm_runtime.fast.dense import DenseModel, DenseOutput, rotate
+from tfm_runtime.fast.dense import DenseModel, DenseOutput, checked_weight, rotate
 from tfm_runtime.models.gdn_tree_torch import tree_recurrence
 
 FAMILIES = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5"}       # model_type -> family
@@ -265,16 +266,7 @@ class HybridModel(DenseModel):
         H, D, nh, nkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
         hk, hv, dk, dv, C = c.gdn_k_heads, c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim, c.conv_dim
         missing = []
-
-        def get(name, shape, needed=True):
-            t = state.get(name)
-            if t is None:
-                if needed:
-                    missing.append(name)
-                return None
-            if tuple(t.shape) != tuple(shape):
-                raise ValueError(f"weight {name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-            return t.detach()
+        get = functools.partial(checked_weight, state, missing)
 
         def swiglu(p, inter):
             return MLP(w_gate=get(p + "gate_proj.weight", (inter, H)), w_up=get(p + "up_proj.weight", (inter, H)),

@@ -119,6 +119,21 @@ def test_run_hash_covers_the_data_and_a_resume_on_changed_data_is_refused_by_nam
         check_run_dir(other, fp, shards)
 
 
+def test_rows_in_any_order_with_repeats_equal_the_tables_rows(anchors, tmp_path):
+    sd = shard_data(anchors, tmp_path)
+    assert len(sd.batches) >= 3                                  # one record batch per shard at least
+    n = sd.table.num_rows
+    index = np.random.default_rng(0).integers(0, n, size=2 * n)  # every batch, shuffled, repeats
+    index[:3] = [n - 1, 0, n - 1]
+    got, want = sd.take(index), sd.table.take(pa.array(index))  # want: Arrow's own take on the whole table
+    assert got.equals(want) and got.column(0).num_chunks == 1
+    rows = sd.rows(index[:5])
+    assert list(rows["sample_id"]) == want.column("sample_id").to_pylist()[:5]
+    assert sd.take(np.zeros(0, dtype=np.int64)).num_rows == 0
+    with pytest.raises(IndexError, match="out of range"):
+        sd.take([n])
+
+
 # ---- config --------------------------------------------------------------------------------------------------------
 def test_zero_stage_3_is_refused_by_the_config():
     with pytest.raises(ValueError, match=r"zero_stage must be 0, 1 or 2 .*stage 3.*got 3"):

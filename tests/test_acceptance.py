@@ -57,7 +57,7 @@ def test_oracle_drafter_is_fully_accepted():
 def test_greedy_trajectory_walk_equals_the_decoder(family):
     """The T = 0 shortcut (batched greedy continuations, one teacher-forced pass, lockstep tree walks) gives, for
     every proposal, the decoder's own tokens and per-step accepted lengths, prompts of different lengths together."""
-    from tfm_runtime.acceptance import greedy_continuations, trajectory, walk
+    from tfm_runtime.acceptance import StaticWalkTrees, greedy_continuations, trajectory, walk
     from tfm_runtime.engine import SpeculativeDecoder
     from tfm_runtime.worlds import tiny_world
     w = tiny_world(family, dtype=torch.float64)
@@ -71,7 +71,14 @@ def test_greedy_trajectory_walk_equals_the_decoder(family):
     for proposal, budget in [("chain", 7), ("ddtree", 12), ("weaver", 12)]:
         dec = SpeculativeDecoder(w.target, w.drafter, w.weaver if proposal == "weaver" else None,
                                  tree_budget=budget, proposal=proposal)
-        for p, traj, (accepted, sizes) in zip(prompts, trajs, walk(dec, trajs, n, eos_token_id=None)):
+        walks = walk(dec, trajs, n, eos_token_id=None)
+        for p, traj, (accepted, sizes) in zip(prompts, trajs, walks):
             out = dec.generate(p, max_new_tokens=n, temperature=0.0)
             assert out.tokens == traj.tokens[:n]
             assert out.stats.accept_lengths == accepted and out.stats.tree_sizes == sizes, proposal
+        if proposal == "weaver":         # the shape-static builder, one row of padding, gives the same walks
+            K = min(w.weaver.cfg.candidate_pool, w.target.vocab_size)
+            static = StaticWalkTrees(dec, batch=len(prompts) + 1, K=K, L=L)
+            assert walk(dec, trajs, n, eos_token_id=None, static=static) == walks
+            with pytest.raises(ValueError, match="static tree builder has 2 rows"):
+                walk(dec, trajs, n, eos_token_id=None, static=StaticWalkTrees(dec, batch=2, K=K, L=L))

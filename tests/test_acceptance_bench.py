@@ -8,8 +8,8 @@ import pytest
 
 from benchmarks.runtime import acceptance
 
-ARGS = ["--world", "tiny", "--limit", "2", "--budgets", "8", "--max-new-tokens", "8", "--check-prompts", "1",
-        "--t1-prompts", "0", "--no-progress"]
+ARGS = ["--world", "tiny", "--limit", "2", "--budgets", "8", "--max-new-tokens", "8", "--t1-prompts", "0",
+        "--no-progress"]
 
 
 @pytest.fixture
@@ -23,12 +23,13 @@ def prompts_dir(tmp_path):
     return str(d)
 
 
-def test_a_resumed_run_keeps_finished_datasets_and_runs_the_rest(prompts_dir, tmp_path, capsys):
+def test_a_resumed_run_keeps_finished_phases_and_runs_the_rest(prompts_dir, tmp_path, capsys):
     out = str(tmp_path / "acceptance.json")
-    acceptance.main(ARGS + ["--prompts-dir", prompts_dir, "--datasets", "mtbench", "--out", out])
+    acceptance.main(ARGS + ["--prompts-dir", prompts_dir, "--datasets", "mtbench", "--check-prompts", "0",
+                            "--out", out])
     first = json.load(open(out))
     assert first["env"]["command"] and sorted(first["candidate_hit_rate_by_depth"]) == ["mtbench"]
-    assert first["crosscheck_t0"]["mtbench"]["identical"] == first["crosscheck_t0"]["mtbench"]["requests_x_configs"]
+    assert first["finished"] == [["t0", "mtbench"]] and first["crosscheck_t0"] == {}
     mt = [r for r in first["rows"] if r["dataset"] == "mtbench"]
     assert {(r["proposal"], r["budget"]) for r in mt} == {("chain", 7), ("ddtree", 8), ("weaver", 8)}
     assert all(r["prompts"] == 2 for r in mt)
@@ -36,13 +37,25 @@ def test_a_resumed_run_keeps_finished_datasets_and_runs_the_rest(prompts_dir, tm
     first["rows"][0]["acceptance_length"] = 99.0              # a kept row is taken as written, not recomputed
     with open(out, "w") as f:
         json.dump(first, f)
-    acceptance.main(ARGS + ["--prompts-dir", prompts_dir, "--datasets", "mtbench", "sharegpt", "--out", out,
-                            "--resume"])
+    acceptance.main(ARGS + ["--prompts-dir", prompts_dir, "--datasets", "mtbench", "sharegpt", "--check-prompts", "1",
+                            "--tree-builder", "static", "--out", out, "--resume"])
     second = json.load(open(out))
     assert sorted(second["candidate_hit_rate_by_depth"]) == ["mtbench", "sharegpt"]
+    assert [tuple(f) for f in second["finished"]] == [("t0", "mtbench"), ("t0", "sharegpt"), ("check", "mtbench"),
+                                                      ("check", "sharegpt")]
+    assert all(c == {"requests_x_configs": 3, "identical": 3} for c in second["crosscheck_t0"].values())
+    assert second["earlier_runs"] == [first["env"]]
     assert second["rows"][:len(mt)] == first["rows"][:len(mt)] and second["rows"][0]["acceptance_length"] == 99.0
     assert {r["dataset"] for r in second["rows"][len(mt):]} == {"sharegpt"}
     assert "| sharegpt | 0 |" in capsys.readouterr().out
+
+    acceptance.main(ARGS + ["--prompts-dir", prompts_dir, "--datasets", "mtbench", "--check-prompts", "1",
+                            "--t1-prompts", "1", "--out", out, "--resume"])              # only T = 1 is left to run
+    third = json.load(open(out))
+    assert third["rows"][:len(second["rows"])] == second["rows"] and third["finished"][-1] == ["t1", "mtbench"]
+    t1 = [(r["proposal"], r["verification"], r["prompts"]) for r in third["rows"][len(second["rows"]):]]
+    assert t1 == [("chain", "target_only", 1), ("ddtree", "target_only", 1), ("weaver", "target_only", 1),
+                  ("weaver", "traversal", 1)]
 
 
 def test_bad_resumes_are_refused(prompts_dir, tmp_path):

@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tfm_runtime.engine import SpeculativeDecoder
+from tfm_runtime.tree import Tree
 
 
 @dataclass
@@ -138,42 +139,76 @@ def trajectory(target, drafter, prompt: list[int], n: int, continuation: list[in
 def matched_depth(tree, continuation: list[int]) -> int:
     """Length of the longest root path whose tokens are continuation[0], continuation[1], ..."""
     children: dict[int, dict[int, int]] = {}
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
     for i in range(1, tree.num_nodes):
-        children.setdefault(int(tree.parents[i]), {})[int(tree.tokens[i])] = i
+        children.setdefault(parents[i], {})[tokens[i]] = i
     node, d = 0, 0
     while d < len(continuation) and continuation[d] in children.get(node, {}):
         node, d = children[node][continuation[d]], d + 1
     return d
 
 
-def build_trees(decoder, trajs: list[Trajectory], roots: list[int]) -> list:
+def build_trees(decoder, trajs: list[Trajectory], roots: list[int], static=None) -> list:
     """The trees `decoder` builds at T = 0 from root y_j of each trajectory (j = roots[i]); Weaver trees in one
-    lockstep batch."""
+    lockstep batch, from `static` (a StaticWalkTrees) when given."""
     if decoder.proposal != "weaver":
         return [decoder._tree(t.tokens[j], t.draft_logits[j], t.draft_hidden[j], t.h_last[j], 0.0, None)[0]
                 for t, j in zip(trajs, roots)]
-    from tfm_runtime.weaver_tree import build_weaver_trees
     w, tgt = decoder.adapter, decoder.target
     K = min(w.cfg.candidate_pool, trajs[0].draft_logits.shape[-1])
     logits = torch.stack([t.draft_logits[j] for t, j in zip(trajs, roots)])              # [B, L, V]
-    cand_logits, cand_ids = logits.topk(K, dim=-1)
-    return build_weaver_trees(w, [t.tokens[j] for t, j in zip(trajs, roots)],
-                              torch.stack([t.h_last[j] for t, j in zip(trajs, roots)]),
-                              torch.stack([t.draft_hidden[j] for t, j in zip(trajs, roots)]), cand_ids, cand_logits,
-                              decoder.tree_budget, embed_weight=tgt.embed_weight, lm_head_weight=tgt.lm_head_weight,
+    cand_logits, cand_ids = logits.topk(K, dim=-1)                                       # [B, L, K]
+    h_last = torch.stack([t.h_last[j] for t, j in zip(trajs, roots)])                    # [B, H]
+    hidden = torch.stack([t.draft_hidden[j] for t, j in zip(trajs, roots)])              # [B, L, H]
+    tokens = [t.tokens[j] for t, j in zip(trajs, roots)]
+    if static is not None:
+        return static(tokens, h_last, hidden, cand_ids, cand_logits)
+    from tfm_runtime.weaver_tree import build_weaver_trees
+    return build_weaver_trees(w, tokens, h_last, hidden, cand_ids, cand_logits, decoder.tree_budget,
+                              embed_weight=tgt.embed_weight, lm_head_weight=tgt.lm_head_weight,
                               expand=decoder.expand, width=decoder.width)
 
 
-def walk(decoder, trajs: list[Trajectory], n: int, eos_token_id: int | None) -> list[tuple[list[int], list[int]]]:
+class StaticWalkTrees:
+    """The Weaver trees of a lockstep walk from one shape-static builder of `batch` rows
+    (tfm_runtime.fast.weaver_tree: the reference's trees, every round run), replayed from a CUDA graph on CUDA.
+    Fewer live rows than `batch` are padded with copies of the first."""
+
+    def __init__(self, decoder, batch: int, K: int, L: int):
+        from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder
+        w, tgt = decoder.adapter, decoder.target
+        self.batch = batch
+        self.builder = StaticWeaverTreeBuilder(w, tgt.embed_weight, tgt.lm_head_weight, decoder.tree_budget, K=K,
+                                               L=L, batch=batch, expand=decoder.expand, width=decoder.width)
+
+    def __call__(self, roots: list[int], h_last, hidden, cand_ids, cand_logits) -> list:
+        """roots B ints; h_last [B, H]; hidden [B, L, H]; cand_ids/cand_logits [B, L, K] -> B Trees."""
+        n = len(roots)
+        pad = lambda x: torch.cat([x, x[:1].expand(self.batch - n, *x.shape[1:])]) if n < self.batch else x  # noqa
+        inputs = (pad(torch.as_tensor(roots, device=h_last.device)), pad(h_last), pad(hidden), pad(cand_ids),
+                  pad(cand_logits))
+        b = self.builder
+        if b.device.type == "cuda" and b._graph is None:
+            b.capture(*inputs)
+        t = b.build(*inputs)
+        tokens, parents, depths, logq = (x[:n].cpu() for x in (t.tokens, t.parents, t.depths, t.draft_logprobs))
+        return [Tree(tokens=tokens[i, :m], parents=parents[i, :m], depths=depths[i, :m], draft_logprobs=logq[i, :m])
+                for i, m in enumerate(t.num_nodes[:n].tolist())]                 # one copy to the host per build
+
+
+def walk(decoder, trajs: list[Trajectory], n: int, eos_token_id: int | None,
+         static: StaticWalkTrees | None = None) -> list[tuple[list[int], list[int]]]:
     """The decoder's greedy steps along each trajectory, all trajectories in lockstep (one batched tree build per
     step): -> per trajectory (accepted tokens per step, tree sizes), exactly as `SpeculativeDecoder.generate`
-    counts them for `n` new tokens."""
+    counts them for `n` new tokens. Weaver trees come from `static` when given (at least len(trajs) rows)."""
+    if static is not None and len(trajs) > static.batch:
+        raise ValueError(f"{len(trajs)} trajectories, the static tree builder has {static.batch} rows")
     pos, out = [0] * len(trajs), [([], []) for _ in trajs]
     while True:
         live = [i for i, t in enumerate(trajs) if pos[i] + 1 < n and t.tokens[pos[i]] != eos_token_id]
         if not live:
             return out
-        trees = build_trees(decoder, [trajs[i] for i in live], [pos[i] for i in live])
+        trees = build_trees(decoder, [trajs[i] for i in live], [pos[i] for i in live], static)
         for i, tree in zip(live, trees):
             m = matched_depth(tree, trajs[i].tokens[pos[i] + 1:])
             out[i][0].append(m + 1)

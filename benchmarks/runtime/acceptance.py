@@ -25,7 +25,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from tfm_runtime.acceptance import greedy_continuations, trajectory, walk
+from tfm_runtime.acceptance import StaticWalkTrees, greedy_continuations, trajectory, walk
 from tfm_runtime.engine import SpeculativeDecoder
 from benchmarks.common import env, write_results
 
@@ -118,14 +118,17 @@ class Tally:
 
 
 def run(args, done: dict | None = None, save=None) -> dict:
-    """Every dataset's rows; datasets recorded in `done` (an earlier result of the same command) are kept as they
-    are, and `save(result)` is called after each dataset, so a run stopped part way keeps what it finished."""
+    """Rows in three phases, each dataset by dataset: T = 0 along the greedy trajectories (the figures), the
+    cross-check of that shortcut against SpeculativeDecoder, then T = 1 decoding. Phases recorded as finished in
+    `done` (an earlier result of the same command) are kept as they are, and `save(result)` is called after each
+    phase of each dataset, so a run stopped part way keeps what it finished."""
     target, drafter, weavers, tok, world = load_world(args)
     args.block = drafter.cfg.block_size
     pools = {w.cfg.candidate_pool for w in weavers.values()}
     L, K = args.block - 1, (max(pools) if pools else args.candidate_pool)
-    eos = tok.eos_token_id
-    decoders = {}
+    eos, n = tok.eos_token_id, args.max_new_tokens
+    static_trees = args.tree_builder == "static" or (args.tree_builder == "auto" and target.device.type == "cuda")
+    decoders, statics = {}, {}
 
     def decoder(proposal, budget, adapter, verification="auto"):
         key = (proposal, budget, adapter, verification)
@@ -134,61 +137,79 @@ def run(args, done: dict | None = None, save=None) -> dict:
                                                proposal=proposal, verification=verification)
         return decoders[key]
 
+    def walks(proposal, budget, adapter, trajs):
+        dec, static = decoder(proposal, budget, adapter), None
+        if proposal == "weaver" and static_trees:
+            if (budget, adapter) not in statics:
+                k = min(weavers[adapter].cfg.candidate_pool, target.vocab_size)
+                statics[budget, adapter] = StaticWalkTrees(dec, batch=args.group, K=k, L=L)
+            static = statics[budget, adapter]
+        return walk(dec, trajs, n, eos, static)
+
+    def trajectories(records):
+        ids = [chat_ids(tok, rec) for rec in records]
+        conts = greedy_continuations(target, ids, n + L, batch=args.group)
+        return ids, [trajectory(target, drafter, p, n, c) for p, c in zip(ids, conts)]
+
     done = done or {}
-    rows, hits, checks = [], {}, {}
-    result = {"world": world, "max_new_tokens": args.max_new_tokens, "candidate_pool": K, "rows": rows,
+    finished = [tuple(f) for f in done.get("finished", [])]
+    rows = [r for r in done.get("rows", []) if (f"t{r['temperature']:g}", r["dataset"]) in finished]
+    hits, checks = dict(done.get("candidate_hit_rate_by_depth", {})), dict(done.get("crosscheck_t0", {}))
+    result = {"world": world, "max_new_tokens": n, "candidate_pool": K, "rows": rows, "finished": finished,
               "candidate_hit_rate_by_depth": hits, "crosscheck_t0": checks}
-    for name, records in datasets(args).items():
-        if name in done.get("candidate_hit_rate_by_depth", {}):
-            rows += [r for r in done["rows"] if r["dataset"] == name]
-            hits[name], checks[name] = done["candidate_hit_rate_by_depth"][name], done["crosscheck_t0"][name]
+    sets = {name: recs[:args.limit] if args.limit else recs for name, recs in datasets(args).items()}
+    phases = [("t0", name) for name in sets] + [("check", name) for name in sets if args.check_prompts] \
+        + [("t1", name) for name in sets if args.t1_prompts]
+    for phase, name in phases:
+        if (phase, name) in finished:
             continue
-        records = records[:args.limit] if args.limit else records
-        tallies = {c: Tally(L) for c in configs(args, weavers)}
-        hit, seen = torch.zeros(L), 0
-        agree, compared = 0, 0
-        n = args.max_new_tokens
-        bar = tqdm(total=len(records), desc=f"{name} T=0", disable=args.no_progress)
-        for lo in range(0, len(records), args.group):                 # `group` requests walked in lockstep
-            ids = [chat_ids(tok, rec) for rec in records[lo:lo + args.group]]
-            conts = greedy_continuations(target, ids, n + L, batch=args.group)
-            trajs = [trajectory(target, drafter, p, n, c) for p, c in zip(ids, conts)]
-            for traj in trajs:
-                y = torch.tensor(traj.tokens, device=traj.draft_logits.device)
-                top = traj.draft_logits.topk(min(K, traj.draft_logits.shape[-1]), dim=-1).indices  # [n, L, K]
-                truth = torch.stack([y[j + 1:j + 1 + L] for j in range(len(top))])               # [n, L]
-                hit += (top == truth[..., None]).any(-1).float().sum(0).cpu()
-                seen += len(top)
+        records = sets[name]
+        if phase == "t0":
+            tallies = {c: Tally(L) for c in configs(args, weavers)}
+            hit, seen = torch.zeros(L), 0
+            bar = tqdm(total=len(records), desc=f"{name} T=0", disable=args.no_progress)
+            for lo in range(0, len(records), args.group):             # `group` requests walked in lockstep
+                _, trajs = trajectories(records[lo:lo + args.group])
+                for traj in trajs:
+                    y = torch.tensor(traj.tokens, device=traj.draft_logits.device)
+                    top = traj.draft_logits.topk(min(K, traj.draft_logits.shape[-1]), dim=-1).indices  # [n, L, K]
+                    truth = torch.stack([y[j + 1:j + 1 + L] for j in range(len(top))])               # [n, L]
+                    hit += (top == truth[..., None]).any(-1).float().sum(0).cpu()
+                    seen += len(top)
+                for config, tally in tallies.items():
+                    for accepted, sizes in walks(*config, trajs):
+                        tally.add(accepted, sizes)
+                bar.update(len(trajs))
+            bar.close()
             for (proposal, budget, adapter), tally in tallies.items():
-                walks = walk(decoder(proposal, budget, adapter), trajs, n, eos)
-                for k, (accepted, sizes) in enumerate(walks):
-                    tally.add(accepted, sizes)
-                    if lo + k < args.check_prompts:          # the real decoder on the same request
-                        out = decoder(proposal, budget, adapter).generate(ids[k], max_new_tokens=n,
-                                                                          temperature=0.0, eos_token_id=eos)
-                        want = trajs[k].tokens[:n]
-                        if eos in want:
-                            want = want[:want.index(eos) + 1]
-                        agree += out.tokens == want and out.stats.accept_lengths == accepted
-                        compared += 1
-            bar.update(len(trajs))
-        bar.close()
-        for (proposal, budget, adapter), tally in tallies.items():
-            rows.append(tally.row(dataset=name, temperature=0.0, proposal=proposal, budget=budget, adapter=adapter,
-                                  verification="greedy", method="trajectory"))
-        hits[name] = [round(float(h) / max(1, seen), 4) for h in hit]
-        checks[name] = {"requests_x_configs": compared, "identical": agree}
-        for proposal, budget, adapter in configs(args, weavers) if args.t1_prompts else []:
-            rules = ["target_only"] + (["traversal"] if proposal == "weaver" else [])
-            for rule in rules:
-                tally = Tally(L)
-                for i, rec in enumerate(records[:args.t1_prompts]):
-                    out = decoder(proposal, budget, adapter, rule).generate(
-                        chat_ids(tok, rec), max_new_tokens=args.max_new_tokens, temperature=1.0,
-                        eos_token_id=eos, generator=torch.Generator().manual_seed(args.seed + i))
-                    tally.add(out.stats.accept_lengths, out.stats.tree_sizes)
-                rows.append(tally.row(dataset=name, temperature=1.0, proposal=proposal, budget=budget,
-                                      adapter=adapter, verification=rule, method="decoder"))
+                rows.append(tally.row(dataset=name, temperature=0.0, proposal=proposal, budget=budget,
+                                      adapter=adapter, verification="greedy", method="trajectory"))
+            hits[name] = [round(float(h) / max(1, seen), 4) for h in hit]
+        elif phase == "check":                               # the real decoder on the first requests
+            ids, trajs = trajectories(records[:args.check_prompts])
+            agree, compared = 0, 0
+            for config in tqdm(configs(args, weavers), desc=f"{name} check", disable=args.no_progress):
+                for k, (accepted, _) in enumerate(walks(*config, trajs)):
+                    out = decoder(*config).generate(ids[k], max_new_tokens=n, temperature=0.0, eos_token_id=eos)
+                    want = trajs[k].tokens[:n]
+                    if eos in want:
+                        want = want[:want.index(eos) + 1]
+                    agree += out.tokens == want and out.stats.accept_lengths == accepted
+                    compared += 1
+            checks[name] = {"requests_x_configs": compared, "identical": agree}
+        else:
+            for proposal, budget, adapter in tqdm(configs(args, weavers), desc=f"{name} T=1",
+                                                  disable=args.no_progress):
+                for rule in ["target_only"] + (["traversal"] if proposal == "weaver" else []):
+                    tally = Tally(L)
+                    for i, rec in enumerate(records[:args.t1_prompts]):
+                        out = decoder(proposal, budget, adapter, rule).generate(
+                            chat_ids(tok, rec), max_new_tokens=n, temperature=1.0, eos_token_id=eos,
+                            generator=torch.Generator().manual_seed(args.seed + i))
+                        tally.add(out.stats.accept_lengths, out.stats.tree_sizes)
+                    rows.append(tally.row(dataset=name, temperature=1.0, proposal=proposal, budget=budget,
+                                          adapter=adapter, verification=rule, method="decoder"))
+        finished.append((phase, name))
         if save:
             save(result)
     return result
@@ -267,13 +288,16 @@ def main(argv=None) -> int:
     ap.add_argument("--check-prompts", type=int, default=4, help="per dataset, also decoded by SpeculativeDecoder")
     ap.add_argument("--t1-prompts", type=int, default=8, help="per dataset, decoded at T = 1 (0: no T = 1 rows)")
     ap.add_argument("--group", type=int, help="requests walked in lockstep (default: 16 on CUDA, 2 on the CPU)")
+    ap.add_argument("--tree-builder", choices=["auto", "reference", "static"], default="auto",
+                    help="Weaver trees of the T = 0 walks: the reference builder, or the shape-static one "
+                    "(tfm_runtime.fast, the same trees; replayed from a CUDA graph on CUDA); auto: static on CUDA")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--out", help="results JSON")
     ap.add_argument("--plot", help="PNG of acceptance length against tree budget")
-    ap.add_argument("--resume", action="store_true", help="keep the datasets already in --out (written after "
-                    "each dataset) and run the rest")
+    ap.add_argument("--resume", action="store_true", help="keep what --out records as finished (it is written after "
+                    "each dataset's T = 0 rows, cross-check and T = 1 rows) and run the rest")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     args.group = args.group or (16 if args.device.startswith("cuda") else 2)
@@ -288,8 +312,12 @@ def main(argv=None) -> int:
     t0 = time.time()
     spent = done.get("seconds", 0.0)
 
+    earlier = done.get("earlier_runs", []) + ([done["env"]] if done.get("env") else [])
+
     def save(result):
         result["seconds"] = round(spent + time.time() - t0, 1)
+        if earlier:
+            result["earlier_runs"] = earlier                 # the env blocks of the runs this one resumed
         if args.out:
             write_results(args.out, {"env": env(), **result})
 

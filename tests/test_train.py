@@ -99,6 +99,9 @@ def test_two_process_zero2_lowers_loss_and_raises_simulated_acceptance(data, tmp
     m = _metrics(run)
     losses = [x["loss"] for x in m if x["kind"] == "train"]
     assert len(losses) == 60 and sum(losses[-10:]) / 10 < 0.75 * sum(losses[:5]) / 5
+    # step_seconds (wall time per step since the last line) adds up to the run's time, evaluations included
+    logged = sum(x["step_seconds"] for x in m if x["kind"] == "train")
+    assert 0.7 * summary["seconds"] < logged <= summary["seconds"] * 1.01         # the last evaluation is not
     ev = {x["step"]: x for x in m if x["kind"] == "eval"}
     first, last = ev[0], ev[60]
     # the initial Weaver has a zero residual: it proposes DFlash's marginals exactly

@@ -269,7 +269,7 @@ class Trainer:
             self.evaluate(0)
         self.engine.module.train()
         t_run, items = time.perf_counter(), 0
-        self._last_finish = t_run
+        self._log_at = (self.start, t_run)                   # (step, time) of the last metrics line
         self.bar = tqdm(total=cfg.steps, initial=self.start, desc=f"train {self.task.name}",
                         disable=not (progress and self.rank == 0))
         stop = StopRequest()
@@ -336,8 +336,6 @@ class Trainer:
         total = total.tolist()
         loss_mean = total[0] / (self.cfg.grad_accum * self.world)
         gn = float(gn) if gn is not None else None
-        now = time.perf_counter()
-        seconds, self._last_finish = now - self._last_finish, now
         self.bar.update(1)
         if skipped is not None and bool(skipped):
             self.skipped_steps += 1
@@ -352,9 +350,12 @@ class Trainer:
         self.bad_in_a_row = 0
         self.bar.set_postfix(loss=f"{loss_mean:.4f}")
         if done % self.cfg.log_every == 0 or done == self.cfg.steps:
+            # wall seconds per step since the last line (evaluations and checkpoints in between included)
+            (last, t), now = self._log_at, time.perf_counter()
+            self._log_at = (done, now)
             self.metrics.write("train", done, {"loss": loss_mean, "lr": self.sched.get_last_lr()[0],
                                                "grad_norm": gn, "skipped_steps": self.skipped_steps,
-                                               "step_seconds": seconds})
+                                               "step_seconds": (now - t) / max(1, done - last)})
         return total[1] > 0
 
     def _bad_steps_message(self, done: int, loss: float, gn: float | None) -> str:

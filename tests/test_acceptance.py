@@ -82,3 +82,21 @@ def test_greedy_trajectory_walk_equals_the_decoder(family):
             assert walk(dec, trajs, n, eos_token_id=None, static=static) == walks
             with pytest.raises(ValueError, match="static tree builder has 2 rows"):
                 walk(dec, trajs, n, eos_token_id=None, static=StaticWalkTrees(dec, batch=2, K=K, L=L))
+
+
+@pytest.mark.gpu
+def test_captured_static_walk_equals_the_reference_walk_on_cuda():
+    """On CUDA the benchmark's Weaver walks replay one captured build per lockstep step (fewer live rows padded):
+    the same per-step acceptance and tree sizes as the reference builder."""
+    from tfm_runtime.acceptance import StaticWalkTrees, greedy_continuations, trajectory, walk
+    from tfm_runtime.engine import SpeculativeDecoder
+    from tfm_runtime.worlds import tiny_world
+    w = tiny_world("llama", dtype=torch.float32)
+    target, drafter, weaver = w.target.to("cuda"), w.drafter.to("cuda"), w.weaver.to("cuda")
+    prompts, n, L = [[3, 5, 7], [9, 4, 4, 8, 21, 2, 6], [11]], 24, drafter.cfg.block_size - 1
+    conts = greedy_continuations(target, prompts, n + L, batch=3)
+    trajs = [trajectory(target, drafter, p, n, c) for p, c in zip(prompts, conts)]
+    dec = SpeculativeDecoder(target, drafter, weaver, tree_budget=16, proposal="weaver")
+    static = StaticWalkTrees(dec, batch=4, K=min(weaver.cfg.candidate_pool, target.vocab_size), L=L)
+    assert walk(dec, trajs, n, eos_token_id=None, static=static) == walk(dec, trajs, n, eos_token_id=None)
+    assert static.builder._graph is not None                                     # replayed, not rebuilt

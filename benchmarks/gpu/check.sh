@@ -13,7 +13,7 @@ python3 -m benchmarks.gpu.wheels /root/site deepspeed transformers >/tmp/wheels.
 T0=$(date +%s)
 NPROC=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6" || echo "")
 timeout 300 python3 -m pytest -q -p no:cacheprovider $NPROC tests/test_kernels_*.py tests/test_engine*.py \
-  tests/test_weaver.py tests/test_rollout*.py tests/test_target.py $(ls tests/test_fast_*.py 2>/dev/null) \
+  tests/test_weaver.py tests/test_rollout*.py tests/test_target.py tests/test_acceptance.py $(ls tests/test_fast_*.py 2>/dev/null) \
   >"$OUT/gpu_tests.log" 2>&1
 echo "tests: $(tail -1 "$OUT/gpu_tests.log") ($(( $(date +%s) - T0 )) s)" | tee "$OUT/check.txt"
 timeout 150 python3 -m benchmarks.kernels.bench_gdn_tree --quick --n 65 129 --skip-check --no-fla \

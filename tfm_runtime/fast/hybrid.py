@@ -325,20 +325,9 @@ class HybridModel(DenseModel):
     def setup_cache(self, max_seq_len: int) -> None:
         """Allocate the attention layers' KV cache, the RoPE tables for `max_seq_len` slots and the GDN state pools."""
         c, dev, dt = self.cfg, self.embed.device, self.embed.dtype
-        if max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-        self.max_seq_len = max_seq_len
-        shape = (self.num_attn, c.num_kv_heads, max_seq_len, c.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dt, device=dev)                             # [La, Hkv, S, D]
-        self.v_cache = torch.zeros(shape, dtype=dt, device=dev)
-        rd = c.rotary_dim
+        rd = c.rotary_dim                                                                   # partial rotary
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.int64).float() / rd))   # [rd/2]
-        ang = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None]     # [S, rd/2]
-        ang = torch.cat([ang, ang], dim=-1)                                                 # [S, rd]
-        self.cos, self.sin = ang.cos().to(device=dev, dtype=dt), ang.sin().to(device=dev, dtype=dt)
-        self.slots = torch.arange(max_seq_len, device=dev)                                  # [S]
-        self.one_node = torch.ones(1, 1, dtype=torch.bool, device=dev)
-        self.depth0 = torch.zeros(1, dtype=torch.long, device=dev)
+        self._attention_buffers(self.num_attn, max_seq_len, inv_freq)                     # KV [La, Hkv, S, D]
         self.leaf0 = torch.zeros(1, dtype=torch.long, device=dev)
         sdt = torch.float64 if dt == torch.float64 else torch.float32
         gdn = (self.num_gdn, c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim)

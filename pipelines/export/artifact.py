@@ -109,7 +109,8 @@ def build_weaver(tmp: str, cfg: ExportConfig, run: RunFolder, bench: dict | None
     acceptance_plot(os.path.join(tmp, PLOT), {"Weaver": ev["top1_weaver_by_depth"],
                                               "DFlash": ev["top1_dflash_by_depth"]},
                     f"held-out acceptance by depth, step {run.step}")
-    info = _card_info(cfg, run, target, drafter, state, bench, sglang)
+    info = _card_info(cfg, run, ModelSpec(c.target_id, c.target_revision), ModelSpec(c.drafter_id, c.drafter_revision),
+                      state, bench, sglang)                   # the card names the contract's models, not local copies
     _write_text(os.path.join(tmp, "README.md"), weaver_card(info))
 
     # the checks: the folder through the runtime's own loader, against the target's and drafter's configs
@@ -142,7 +143,7 @@ def build_dflash(tmp: str, cfg: ExportConfig, run: RunFolder, bench: dict | None
     _, state = load_safetensors_dir(run.folder)
     acceptance_plot(os.path.join(tmp, PLOT), {"DFlash": run.eval["top1_by_position"]},
                     f"held-out acceptance by block position, step {run.step}")
-    info = _card_info(cfg, run, target, None, state, bench)
+    info = _card_info(cfg, run, ModelSpec(c.target_id, c.target_revision) if c else target, None, state, bench)
     _write_text(os.path.join(tmp, "README.md"), dflash_card(info, config))
 
     where = f"exported DFlash drafter ({run.checkpoint}/ of {run.path})"

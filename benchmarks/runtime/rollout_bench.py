@@ -19,6 +19,8 @@ Also: per-step times of our captured decode steps at b=1024, and greedy agreemen
 Correctness (`notes.correctness_vs_hf`, tfm_runtime.rollout_check): 64 prompts against HF generate in float32 (should
 be token for token) and in bf16 on CUDA: first logits against a higher-precision copy, the first-divergence positions,
 and whether each divergence is a rounding tie.
+The correctness comparison runs right after our rows, and the results file is rewritten after every row (`complete`:
+false until the last), so a run cut short by its time limit keeps what it measured.
 """
 from __future__ import annotations
 
@@ -192,6 +194,19 @@ def main(argv=None) -> None:
     tok, model = load_random(args.device, dtype) if args.random_weights else load(args.device, dtype)
     eos = tok["eos_token_id"] if isinstance(tok, dict) else tok.eos_token_id
     rows, notes = [], {}
+    model_name = "SmolLM2-135M architecture, random weights" if args.random_weights else GGUF
+    setup = {"device": args.device, "dtype": str(dtype), "model": model_name, "max_new_tokens": new,
+             "quick": args.quick}
+
+    def save(complete: bool) -> dict:
+        """Write what is measured so far (after every row: a run cut short keeps its rows)."""
+        hf_rows = [r["tokens_per_s"] for r in rows if r["engine"] != "ours"]
+        ours_rows = [r["tokens_per_s"] for r in rows if r["engine"] == "ours" and r["eos"] == "ignored"]
+        result = {"env": run_env, "setup": setup, "rows": rows, "notes": notes, "complete": complete,
+                  "speedup_vs_best_hf": max(ours_rows) / max(hf_rows) if hf_rows and ours_rows else None,
+                  "total_s": time.perf_counter() - t_start}
+        write_results(args.out, result)
+        return result
     for b in batches:
         for eos_mode, n in ((None, b),) if args.random_weights else ((None, b), (eos, 4 * b)):
             row, out, gen = ours(model, build_prompts(tok, n), b, new, eos_mode)
@@ -203,6 +218,9 @@ def main(argv=None) -> None:
             print(f"ours b={b} eos={row['eos']}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
             del gen
             free()
+            save(False)
+    notes["correctness_vs_hf"] = correctness_vs_hf(model, tok, args.quick)
+    save(False)
     if big and time.perf_counter() - t_start < args.budget_s:
         row, _, gen = ours(model, build_prompts(tok, big), batches[-1], new, None if args.random_weights else eos,
                            calls=1)
@@ -210,6 +228,7 @@ def main(argv=None) -> None:
         print(f"ours b={batches[-1]} N={big}: {row['seconds']:.1f} s", flush=True)
         del gen
         free()
+        save(False)
     for b, cache in ((batches[0], None), (batches[-1], "static"), (batches[-1], None)):
         if cache is None and b == batches[-1] and time.perf_counter() - t_start > args.budget_s:
             notes["skipped"] = f"hf default cache b={b} (time budget)"
@@ -221,22 +240,15 @@ def main(argv=None) -> None:
             pre = [common_prefix(a, c) for a, c in zip(ours_greedy, out)]
             notes["greedy_agreement_vs_hf_static"] = {"mean_common_prefix": sum(pre) / len(pre), "of": new,
                                                       "identical": sum(p == new for p in pre) / len(pre)}
-    notes["correctness_vs_hf"] = correctness_vs_hf(model, tok, args.quick)
-    best_hf = max(r["tokens_per_s"] for r in rows if r["engine"] != "ours")
-    best_ours = max(r["tokens_per_s"] for r in rows if r["engine"] == "ours" and r["eos"] == "ignored")
-    model_name = "SmolLM2-135M architecture, random weights" if args.random_weights else GGUF
-    setup = {"device": args.device, "dtype": str(dtype), "model": model_name, "max_new_tokens": new,
-             "quick": args.quick}
-    result = {"env": run_env, "setup": setup, "rows": rows, "notes": notes,
-              "speedup_vs_best_hf": best_ours / best_hf, "total_s": time.perf_counter() - t_start}
-    write_results(args.out, result)
+        save(False)
+    result = save(True)
     print(json.dumps(notes, indent=1))
     print(f"\n{'engine':<30}{'batch':>6}{'prompts':>8}{'eos':>10}{'new tok':>10}{'s':>8}{'tok/s':>10}"
           f"{'1st call s':>11}")
     for r in rows:
         print(f"{r['engine']:<30}{r['batch']:>6}{r['prompts']:>8}{r['eos']:>10}{r['new_tokens']:>10}"
               f"{r['seconds']:>8.2f}{r['tokens_per_s']:>10,.0f}{r['first_call_s']:>11.2f}")
-    print(f"ours (eos ignored) / best HF: {best_ours / best_hf:.2f}x   ({run_env['gpu'] or args.device}; "
+    print(f"ours (eos ignored) / best HF: {result['speedup_vs_best_hf']:.2f}x   ({run_env['gpu'] or args.device}; "
           f"{run_env['git_revision']}; {args.out})")
 
 

@@ -66,3 +66,17 @@ def test_bad_resumes_are_refused(prompts_dir, tmp_path):
     with pytest.raises(SystemExit):
         acceptance.main(ARGS + ["--prompts-dir", prompts_dir, "--out", str(out), "--resume"])
     assert json.loads(out.read_text())["max_new_tokens"] == 256                   # left as it was
+
+
+def test_adapter_labels_tell_adapters_apart():
+    names = acceptance.short_names(["runs/demo/artifacts/weaver", "assets/smollm2-135m-instruct/weaver",
+                                    "demo/smollm2-135m-weaver"])
+    assert names == {"runs/demo/artifacts/weaver": "artifacts/weaver",
+                     "assets/smollm2-135m-instruct/weaver": "smollm2-135m-instruct/weaver",
+                     "demo/smollm2-135m-weaver": "smollm2-135m-weaver"}
+    assert acceptance.short_names(["a/w", "b/a/w"]) == {"a/w": "a/w", "b/a/w": "b/a/w"}   # one a suffix of the other
+    assert acceptance.short_names(["org/w"]) == {"org/w": "w"}
+    table = acceptance.table({"rows": [
+        {"dataset": "d", "temperature": 0.0, "proposal": "weaver", "budget": 16, "adapter": a, "verification": "greedy",
+         "acceptance_length": x} for a, x in (("x/weaver", 2.0), ("y/weaver", 3.0))]})
+    assert "[x/weaver]" in table and "[y/weaver]" in table

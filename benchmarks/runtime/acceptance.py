@@ -220,8 +220,9 @@ def table(result: dict) -> str:
     rows = result["rows"]
     col = lambda r: (r["proposal"], r.get("adapter") or "", r["budget"], r["verification"] == "traversal")  # noqa
     cols = sorted({col(r) for r in rows}, key=lambda c: (["chain", "ddtree", "weaver"].index(c[0]), *c[1:]))
-    several = len({c[1] for c in cols if c[0] == "weaver"}) > 1
-    head = ["dataset", "T"] + [f"{p} {b}" + (f" [{short(a)}]" if several and a else "")
+    label = short_names(c[1] for c in cols if c[0] == "weaver")
+    several = len(label) > 1
+    head = ["dataset", "T"] + [f"{p} {b}" + (f" [{label[a]}]" if several and a else "")
                                + (" (traversal)" if trav else "") for p, a, b, trav in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for ds, t in sorted({(r["dataset"], r["temperature"]) for r in rows}):
@@ -231,9 +232,19 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def short(adapter: str) -> str:
-    """A column label for an adapter: its last path component."""
-    return adapter.rstrip("/").split("/")[-1]
+def short_names(adapters) -> dict[str, str]:
+    """Column labels for adapters: the fewest trailing path components that tell each apart from the others
+    (`runs/demo/artifacts/weaver`, `assets/smollm2-135m-instruct/weaver` -> `artifacts/weaver`,
+    `smollm2-135m-instruct/weaver`)."""
+    parts = {a: a.rstrip("/").split("/") for a in set(adapters)}
+    names = {}
+    for a, p in parts.items():
+        for k in range(1, len(p) + 1):
+            tail = p[-k:]
+            if all(q[-k:] != tail for b, q in parts.items() if b != a):
+                break
+        names[a] = "/".join(tail)
+    return names
 
 
 def plot(result: dict, path: str) -> None:
@@ -247,14 +258,15 @@ def plot(result: dict, path: str) -> None:
     for ax, ds in zip(axes[0], names):
         lines = sorted({(r["proposal"], r.get("adapter") or "") for r in t0 if r["dataset"] == ds},
                        key=lambda c: (["chain", "ddtree", "weaver"].index(c[0]), c[1]))
-        several = sum(p == "weaver" for p, _ in lines) > 1
+        names = short_names(a for p, a in lines if p == "weaver")
+        several = len(names) > 1
         for proposal, adapter in lines:
             pts = sorted((r["budget"], r["acceptance_length"]) for r in t0
                          if r["dataset"] == ds and r["proposal"] == proposal and (r.get("adapter") or "") == adapter)
             if proposal == "chain":
                 ax.axhline(pts[0][1], color="k", ls="--", lw=1, label=f"DFlash chain ({pts[0][0]})")
             else:
-                label = "DDTree" if proposal == "ddtree" else "Weaver" + (f" [{short(adapter)}]" if several else "")
+                label = "DDTree" if proposal == "ddtree" else "Weaver" + (f" [{names[adapter]}]" if several else "")
                 ax.plot(*zip(*pts), "o-" if proposal == "ddtree" else "s-", label=label)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{ds} (T = 0)")

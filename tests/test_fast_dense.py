@@ -6,6 +6,7 @@ The decoder tests use an 8-token vocabulary so that random drafters still get dr
 not always contiguous in the tree), which exercises the commit."""
 import pytest
 import torch
+from fast_sampling import assert_sampling_equals_reference
 
 from tfm_runtime.engine import SpeculativeDecoder
 from tfm_runtime.fast import DenseConfig, DenseModel, FastDecoder, GraphedDense
@@ -124,18 +125,8 @@ def test_greedy_equals_reference_decoder_and_hf(small_worlds, family, proposal, 
                                                    ("weaver", "traversal")])
 def test_sampling_equals_reference_decoder(small_worlds, proposal, verification):
     """At T > 0 with one seed, both decoders draw the same random numbers in the same order: same tokens."""
-    w = small_worlds["qwen3"]
-    adapter = w.weaver if proposal == "weaver" else None
-    kw = dict(tree_budget=16, proposal=proposal, verification=verification)
-    fast = FastDecoder(w.target, w.drafter, adapter, max_seq_len=64, **kw)
-    ref = SpeculativeDecoder(w.target, w.drafter, adapter, **kw)
-    runs = []
-    for seed in (0, 1):
-        a = fast.generate(SMALL_PROMPT, max_new_tokens=16, temperature=1.0, top_k=6, seed=seed)
-        b = ref.generate(SMALL_PROMPT, max_new_tokens=16, temperature=1.0, top_k=6, seed=seed)
-        assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths, seed
-        runs.append(a.tokens)
-    assert runs[0] != runs[1]                                # the seed matters: these are samples
+    assert_sampling_equals_reference(small_worlds["qwen3"], SMALL_PROMPT, proposal, verification, budget=16,
+                                     max_seq_len=64, new_tokens=16)
 
 
 @pytest.mark.parametrize("padded", [False, True])

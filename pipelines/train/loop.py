@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import time
 
 import numpy as np
@@ -33,26 +32,22 @@ from tfm_runtime.io import atomic_write_json, atomic_write_text
 log = logging.getLogger("tfm.train")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(device_kind: str) -> tuple[int, int, int]:
     """-> (rank, world size, local rank). A plain `python -m pipelines.train` is a world of one."""
     import deepspeed
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    if "RANK" not in os.environ and not dist.is_initialized():
+        # A world of one needs no rendezvous: an in-process store instead of a TCP port that another process can
+        # take between choosing it and listening on it. DeepSpeed adopts the initialized group.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if device_kind != "cuda":
         # DeepSpeed's CPU backend compiles a C++ shared-memory all-reduce op on first use (minutes on a fresh machine,
         # and a process killed while compiling leaves a lock that hangs every later run); gloo all-reduces CPU
         # gradients without it.
         # (importlib: the attribute deepspeed.comm.torch is the torch package that the module imports)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device_kind == "cuda" else "gloo", verbose=False)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
 
 

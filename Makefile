@@ -21,12 +21,13 @@ $(STAMP): pyproject.toml Makefile
 
 # pytest-xdist with one worker more than the cores (many tests wait on subprocesses, Ray and sockets), one torch
 # thread each, slow tests first, modules that share a service on one worker (tests/conftest.py); idle OpenMP threads
-# sleep instead of spinning when workers outnumber free cores.
+# sleep instead of spinning when workers outnumber free cores. `serial` tests run alone afterwards.
 WORKERS ?= $(shell python3 -c "import os; print(len(os.sched_getaffinity(0)) + 1)")
 PYTEST  := TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(WORKERS)
 
 test: install
-	$(PYTEST) --durations=15 tests
+	$(PYTEST) --durations=15 -m "not serial" tests
+	TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m serial tests
 
 test-fast: install
 	$(PYTEST) -m "not slow" tests

@@ -13,7 +13,9 @@ from pipelines.collect.__main__ import run
 from pipelines.collect.config import CollectConfig
 from pipelines.shards import read_manifest
 
-pytestmark = pytest.mark.slow
+# serial: alone after the parallel tests; with the CPU oversubscribed, the restart of the killed actor can stall
+# Ray Data's iterator for minutes (seen in CI, and here with four busy processes beside it)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)

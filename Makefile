@@ -23,11 +23,12 @@ $(STAMP): pyproject.toml Makefile
 # thread each, slow tests first, modules that share a service on one worker (tests/conftest.py); idle OpenMP threads
 # sleep instead of spinning when workers outnumber free cores. `serial` tests run alone afterwards.
 WORKERS ?= $(shell python3 -c "import os; print(len(os.sched_getaffinity(0)) + 1)")
-PYTEST  := TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(WORKERS)
+PYTEST1 := TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
+PYTEST  := $(PYTEST1) -n $(WORKERS)
 
 test: install
 	$(PYTEST) --durations=15 -m "not serial" tests
-	TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m serial tests
+	$(PYTEST1) -m serial tests
 
 test-fast: install
 	$(PYTEST) -m "not slow" tests

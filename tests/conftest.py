@@ -27,7 +27,7 @@ def pytest_configure(config):
 # Modules whose module-scoped fixture is a service or a run that its tests share (a Ray cluster, a Hub server with
 # pushed artifacts): under pytest-xdist each runs on one worker, so the fixture is built once (see
 # pytest_xdist_make_scheduler). Every other test is scheduled on its own.
-ONE_WORKER_MODULES = ("test_collect_job", "test_collect_retries", "test_export")
+ONE_WORKER_MODULES = ("test_collect_job", "test_export")
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -9,8 +9,8 @@ Acceptance length = tokens per verify step, bonus included, averaged per request
 template applied. T = 0 follows the target's greedy trajectory (tfm_runtime.acceptance.walk: every lossless
 greedy decoder emits those tokens, so each step's acceptance is read off that trajectory, all positions'
 features from one teacher-forced pass); `--check-prompts` per dataset are also decoded by SpeculativeDecoder and
-the agreement of the two (tokens and per-step acceptance) is reported. T = 1 runs the decoder itself (`--t1-decoder`) on `--t1-prompts` per
-dataset: target-only verification for every proposal, and traversal for Weaver.
+the agreement of the two (tokens and per-step acceptance) is reported. T = 1 runs the decoder itself
+(`--t1-decoder`) on `--t1-prompts` per dataset: target-only verification for every proposal, and traversal for Weaver.
 Also per dataset: the rate at which a step that reached depth d - 1 accepts depth d, and the candidate hit rate
 per depth (the target's token among DFlash's top-K).
 """

@@ -1,6 +1,6 @@
 """StaticWeaverTreeBuilder (tfm_runtime/fast/weaver_tree.py) builds the trees `build_weaver_trees` builds: same nodes
-in the same order, parents, depths and log q, ties included, in a data-independent number of steps with no host
-reads during a build."""
+in the same order, parents, depths and log q, ties included, in two phases of a data-independent number of steps
+with no host reads inside a phase."""
 import contextlib
 import math
 
@@ -149,27 +149,53 @@ def no_host_reads():
 
 
 def test_fixed_steps_and_no_host_reads(monkeypatch):
-    """The build runs `rounds` Weaver steps whatever the data (a tree that ends early or a row of padding) and reads
-    no tensor value on the host; buffers keep their addresses from one build to the next."""
+    """Each phase runs a fixed number of Weaver steps whatever the data (a tree that ends early or a row of padding)
+    and reads no tensor value on the host; a build reads `truncated` once between them and runs the second phase
+    only for an unfinished tree; buffers keep their addresses from one build to the next."""
     w, E, W, roots, h, u, ids, logits = world(0, B=2, L=2)
     builder = StaticWeaverTreeBuilder(w, E, W, 40, K=10, L=2, batch=2, expand=3, width=4)
+    R, R1 = builder.rounds, builder.first_rounds
+    assert (R, R1) == (weaver_tree_rounds(40, 4, 2), 10) and R1 < R
     calls, step = [], w.step
     monkeypatch.setattr(w, "step", lambda *a, **k: calls.append(a[1].shape) or step(*a, **k))
     ptrs = [t.data_ptr() for t in (builder.tokens, builder.front_int, builder.visible, builder.state.k[0])]
+    inputs = (roots, h, u, ids, logits)
     with no_host_reads():
-        out = builder.build(roots, h, u, ids, logits)
-    assert len(calls) == builder.rounds == weaver_tree_rounds(40, 4, 2)
+        builder._first(*inputs)
+    assert len(calls) == 1 + R1                               # the root step, then a step in every round
     assert calls[0] == (2, 1) and set(calls[1:]) == {(2, 4)}
-    assert (out.num_nodes < 41).all()                                       # depth 2 ends the trees early
+    with no_host_reads():
+        builder._second(*inputs)
+    assert len(calls) == R                                    # the last round places without a step
+    calls.clear()
+    out = builder.build(*inputs)
+    assert (out.num_nodes < 41).all() and not out.truncated.any()    # depth 2 ends the trees within R1 rounds
+    assert len(calls) == 1 + R1
     calls.clear()
     _, _, _, roots2, h2, u2, ids2, logits2 = world(1, B=2, L=2, ties=True)
-    with no_host_reads():
-        builder.build(roots2, h2, u2, ids2, logits2)
-    assert len(calls) == builder.rounds
+    builder.build(roots2, h2, u2, ids2, logits2)
     assert ptrs == [t.data_ptr() for t in (builder.tokens, builder.front_int, builder.visible, builder.state.k[0])]
     ref = build_weaver_trees(w, roots2.tolist(), h2, u2, ids2, logits2, 40, embed_weight=E, lm_head_weight=W,
                              expand=3, width=4)
     assert_same(builder.result, ref, TOL[torch.float64])
+
+
+def test_the_second_phase_finishes_trees_that_need_short_rounds(monkeypatch):
+    """A chain (expand 1) places one node per round: R1 = ceil(budget / width) rounds leave it unfinished, the
+    second phase completes it to the reference's tree."""
+    w, E, W, roots, h, u, ids, logits = world(2, B=2, L=6)
+    builder = StaticWeaverTreeBuilder(w, E, W, 8, K=10, L=6, batch=2, expand=1, width=4)
+    assert builder.first_rounds == 2 < builder.rounds
+    builder._first(roots, h, u, ids, logits)
+    assert builder.truncated.all() and (builder.num_nodes == 3).all()
+    calls, step = [], w.step
+    monkeypatch.setattr(w, "step", lambda *a, **k: calls.append(a[1].shape) or step(*a, **k))
+    out = builder.build(roots, h, u, ids, logits)
+    assert len(calls) == builder.rounds and not out.truncated.any()
+    ref = build_weaver_trees(w, roots.tolist(), h, u, ids, logits, 8, embed_weight=E, lm_head_weight=W, expand=1,
+                             width=4)
+    assert_same(out, ref, TOL[torch.float64])
+    assert out.num_nodes.tolist() == [7, 7]                   # root + a chain of depth 6
 
 
 def test_rejects_bad_shapes_and_cpu_capture():
@@ -187,25 +213,30 @@ def test_rejects_bad_shapes_and_cpu_capture():
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_equals_reference():
-    """An eager CUDA build synchronises nowhere; captured once and replayed on new inputs (and new Weaver weights,
-    copied in place), the builder gives the reference's trees (float32)."""
-    w, E, W, roots, h, u, ids, logits = world(0, dtype=torch.float32, B=2, L=6, K=12, device="cuda")
-    builder = StaticWeaverTreeBuilder(w, E, W, 64, K=12, L=6, batch=2)
-    builder.build(roots, h, u, ids, logits)                             # compiles the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        builder.build(roots, h, u, ids, logits)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    builder.capture(roots, h, u, ids, logits)
-    for seed in (1, 2):
-        w2, _, _, roots, h, u, ids, logits = world(seed, dtype=torch.float32, B=2, L=6, K=12, device="cuda")
-        w.load_state_dict(w2.state_dict())
-        out = builder.build(roots, h, u, ids, logits)
+    """The phases of an eager CUDA build synchronise nowhere; captured once and replayed on new inputs (and new
+    Weaver weights, copied in place), the builder gives the reference's trees (float32), also where the second
+    phase runs (chains: expand 1)."""
+    for budget, expand in ((64, 8), (8, 1)):
+        w, E, W, roots, h, u, ids, logits = world(0, dtype=torch.float32, B=2, L=6, K=12, device="cuda")
+        builder = StaticWeaverTreeBuilder(w, E, W, budget, K=12, L=6, batch=2, expand=expand, width=4)
+        builder.build(roots, h, u, ids, logits)                         # compiles the kernels
         torch.cuda.synchronize()
-        ref = build_weaver_trees(w, roots.tolist(), h, u, ids, logits, 64, embed_weight=E, lm_head_weight=W)
-        assert_same(out, [r.to("cpu") for r in ref], atol=1e-4)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            builder._first(roots, h, u, ids, logits)
+            builder._second(roots, h, u, ids, logits)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        builder.capture(roots, h, u, ids, logits)
+        for seed in (1, 2):
+            w2, _, _, roots, h, u, ids, logits = world(seed, dtype=torch.float32, B=2, L=6, K=12, device="cuda")
+            w.load_state_dict(w2.state_dict())
+            out = builder.build(roots, h, u, ids, logits)
+            torch.cuda.synchronize()
+            ref = build_weaver_trees(w, roots.tolist(), h, u, ids, logits, budget, embed_weight=E, lm_head_weight=W,
+                                     expand=expand, width=4)
+            assert_same(out, [r.to("cpu") for r in ref], atol=1e-4)
+            assert not out.truncated.any()
 
 
 def test_static_state_steps_equal_growing_state():

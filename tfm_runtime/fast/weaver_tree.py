@@ -35,8 +35,10 @@ entries ("short" rounds: expand < width, invalid candidates, nodes at depth L th
 count is data dependent. A short round consumes the whole frontier, so the shallowest frontier depth grows by one
 from one short round to the next: at most L short rounds, each placing >= 1 node, the other rounds placing `width`.
 `weaver_tree_rounds(budget, width, L)` is the largest round count that allows, hence every tree is finished after
-R rounds. A smaller `rounds` runs faster (ceil(budget / width) is enough whenever no round is short) and reports
-the trees it may have cut short in `truncated`.
+R rounds. Most trees need only R1 = ceil(budget / width) rounds (no round is short), so a build runs in two
+phases: rounds 1..R1, then, only when a tree is unfinished (one host read of `truncated`), rounds R1+1..R; the
+result equals the R-round build. A smaller `rounds` runs faster and reports the trees it may have cut short in
+`truncated`.
 
 Tensors on the builder (B rows, N = budget, Wd = width, E = children per node, K candidates, L depths,
 R rounds, S = 1 + (R-1) Wd K/V slots, P = 1 + R Wd placement slots, M = N + Wd E frontier entries):
@@ -128,6 +130,7 @@ class StaticWeaverTreeBuilder:
         self.L = min(L, weaver.cfg.lookahead)
         self.E = min(expand, K)
         self.rounds = rounds or weaver_tree_rounds(budget, width, self.L)
+        self.first_rounds = min(self.rounds, math.ceil(budget / width))     # R1: the first phase's rounds
         B, N, Wd, E, R = batch, budget, width, self.E, self.rounds
         S, P, M = 1 + (R - 1) * Wd, 1 + R * Wd, N + Wd * E
         self.slots, self.placements, self.front = S, P, M
@@ -163,7 +166,7 @@ class StaticWeaverTreeBuilder:
         self.root_score = torch.zeros(B, 1, **f64)                              # [B, 1]
         self.result = WeaverTrees(self.tokens[:, : N + 1], self.parents[:, : N + 1], self.depths[:, : N + 1],
                                   self.draft_logprobs[:, : N + 1], self.num_nodes, self.truncated)
-        self._graph = None
+        self._graph = None                                # (first phase, second phase or None) once captured
         self._graph_inputs: tuple[torch.Tensor, ...] | None = None
 
     # ---- public --------------------------------------------------------------------------------------------
@@ -175,21 +178,26 @@ class StaticWeaverTreeBuilder:
         inputs = (roots, h_final, dflash_hidden, cand_ids, cand_logits)
         self._check(inputs)
         if self._graph is None:
-            self._run(*inputs)
+            self._first(*inputs)
+            if self.first_rounds < self.rounds and bool(self.truncated.any()):
+                self._second(*inputs)
         else:
             for dst, src in zip(self._graph_inputs, inputs):
                 if dst.dtype != src.dtype or dst.shape != src.shape:
                     raise ValueError(f"captured with {dst.dtype} {tuple(dst.shape)}, "
                                      f"got {src.dtype} {tuple(src.shape)}")
                 dst.copy_(src)
-            self._graph.replay()
+            first, second = self._graph
+            first.replay()
+            if second is not None and bool(self.truncated.any()):
+                second.replay()
         return self.result
 
     @torch.no_grad()
     def capture(self, roots: torch.Tensor, h_final: torch.Tensor, dflash_hidden: torch.Tensor,
                 cand_ids: torch.Tensor, cand_logits: torch.Tensor, warmup: int = 2) -> None:
-        """Capture one build in a CUDA graph (inputs copied into static buffers shaped like these examples); later
-        `build` calls copy their inputs there and replay it. CUDA only."""
+        """Capture one build's two phases in CUDA graphs (inputs copied into static buffers shaped like these
+        examples); later `build` calls copy their inputs there and replay them. CUDA only."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA-graph capture needs a CUDA device; on the CPU `build` runs eagerly")
         inputs = (roots, h_final, dflash_hidden, cand_ids, cand_logits)
@@ -199,12 +207,15 @@ class StaticWeaverTreeBuilder:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):                     # compile kernels and fill the allocator before capture
             for _ in range(warmup):
-                self._run(*self._graph_inputs)
+                self._first(*self._graph_inputs)
+                self._second(*self._graph_inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._run(*self._graph_inputs)
-        self._graph = graph
+        graphs = []
+        for phase in (self._first, self._second) if self.first_rounds < self.rounds else (self._first,):
+            graphs.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(graphs[-1]):
+                phase(*self._graph_inputs)
+        self._graph = (graphs[0], graphs[1] if len(graphs) > 1 else None)
 
     # ---- one build ---------------------------------------------------------------------------------------
     def _check(self, inputs) -> None:
@@ -216,9 +227,19 @@ class StaticWeaverTreeBuilder:
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
 
-    def _run(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
-        """The whole build on the static buffers: reset, root step, R rounds, finish (a fixed op sequence)."""
-        B, N, Wd, L, R = self.batch, self.budget, self.width, self.L, self.rounds
+    def _first(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
+        """The first phase on the static buffers: reset, root step, rounds 1..R1, finish (a fixed op sequence)."""
+        self._start(roots, h_final, dflash_hidden, cand_ids, cand_logits)
+        self._rounds(1, self.first_rounds, cand_ids, cand_logits)
+
+    def _second(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
+        """The second phase: rounds R1+1..R, finish (a no-op build when R1 = R)."""
+        if self.first_rounds < self.rounds:
+            self._rounds(self.first_rounds + 1, self.rounds, cand_ids, cand_logits)
+
+    def _start(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
+        """Reset the buffers, then the root step."""
+        B, N, L = self.batch, self.budget, self.L
         self.state.reset(self.weaver.prefix(h_final, dflash_hidden[:, :L]))
         self.visible[:, 0].zero_()                                             # the root sees no node slot
         self.front_flt[:, :, 0].fill_(-math.inf)                               # empty frontier
@@ -232,7 +253,11 @@ class StaticWeaverTreeBuilder:
         root = roots[:, None]                                                  # [B, 1]
         h = self.weaver.step(self.state, root, self.root_depth, self.visible[:, :1, :0], self.embed_weight)  # [B,1,r]
         self._push(h, 0, 0, self.root_depth, self.root_active, self.root_score, cand_ids, cand_logits)
-        for r in range(1, R + 1):
+
+    def _rounds(self, first: int, last: int, cand_ids, cand_logits) -> None:
+        """Rounds first..last (each a fixed op sequence), then finish: node rows and `truncated`."""
+        B, Wd, R = self.batch, self.width, self.rounds
+        for r in range(first, last + 1):
             s0 = 1 + (r - 1) * Wd                                              # first placement slot of round r
             tok, parent, dep, score, active = self._place(s0)                  # [B, Wd] each
             if r < R:
@@ -245,7 +270,7 @@ class StaticWeaverTreeBuilder:
                 dep = torch.where(active, dep, self.zeros_long)                # [B, Wd] padding: depth 0
                 h = self.weaver.step(self.state, tok, dep, rows[:, :, :s0], self.embed_weight)   # [B, Wd, r]
                 self._push(h, r, s0, dep, active, score, cand_ids, cand_logits)
-        self._finish(active)
+        self._finish(active if last == R else None)
 
     def _push(self, h, step: int, s0: int, dep, active, score, cand_ids, cand_logits) -> None:
         """Children of the W slots of one step into frontier rows N .. N+Wd*E-1.
@@ -301,7 +326,8 @@ class StaticWeaverTreeBuilder:
     def _finish(self, last_active) -> None:
         """Placement slots -> node rows; `truncated` where entries or expandable nodes are left.
 
-        last_active [B, Wd]: the last round's slots that would expand."""
+        last_active [B, Wd]: round R's slots that would expand (None after an earlier round, whose step pushed
+        their children into the frontier)."""
         N = self.budget
         placed = self.slot_placed                                              # [B, P]
         node = placed.cumsum(1) - 1                                            # [B, P] node id of a placed slot
@@ -313,7 +339,10 @@ class StaticWeaverTreeBuilder:
         self.depths.zero_().scatter_(1, dst, self.slot_int[:, :, 2])
         self.draft_logprobs.zero_().scatter_(1, dst, self.slot_flt[:, :, 1])
         self.num_nodes.copy_(placed.sum(1))
-        left = (self.front_flt[:, :N, 0] > -math.inf).any(1) | last_active.any(1)   # [B]
+        if last_active is None:                       # rows N.. hold the last step's children, not yet ranked
+            left = (self.front_flt[:, :, 0] > -math.inf).any(1)                    # [B]
+        else:                                         # rows N.. were ranked in round R: only the kept rows count
+            left = (self.front_flt[:, :N, 0] > -math.inf).any(1) | last_active.any(1)   # [B]
         torch.logical_and(self.num_nodes < N + 1, left, out=self.truncated)
 
 

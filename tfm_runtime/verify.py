@@ -68,7 +68,15 @@ def verify_greedy(tree: Tree, target_logits: torch.Tensor) -> tuple[list[int], i
     on ties).
     """
     _check_rows(tree, target_logits, "target_logits")
-    best, tokens = target_logits.argmax(-1).tolist(), tree.tokens.tolist()
+    return verify_greedy_best(tree, target_logits.argmax(-1))
+
+
+def verify_greedy_best(tree: Tree, best: torch.Tensor) -> tuple[list[int], int]:
+    """`verify_greedy` from the target's argmax per node, best [N] long (computed where the logits live, so that
+    only N ids travel to the host)."""
+    if best.shape != (tree.num_nodes,):
+        raise ValueError(f"best must be [N] with N = {tree.num_nodes} nodes, got shape {tuple(best.shape)}")
+    best, tokens = best.tolist(), tree.tokens.tolist()
     accepted = [0]
     while (child := _child_with_token(tree, tokens, accepted[-1], best[accepted[-1]])) is not None:
         accepted.append(child)

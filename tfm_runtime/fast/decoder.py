@@ -1,11 +1,12 @@
 """FastDecoder: SpeculativeDecoder's loop on a compact target (DenseModel; HybridModel for GDN hybrids), static caches.
 
-  prefill the prompt (static cache) -> bonus token, DFlash context
+  prefill the prompt (static cache) -> bonus token, DFlash context (StaticDFlash: static context cache)
   repeat:  DFlash drafts L marginals from the bonus  ->  proposal tree (chain | ddtree | weaver)
            (shape-static builders on the device, no host reads until after the verify; sampled chains: reference)
            DenseModel.verify_tree: one pass writing the nodes' K/V after the committed prefix
-           lossless verification (the reference rules) -> accepted path + bonus    (the one host sync)
-           DenseModel.commit: the accepted nodes' K/V move into place; DFlash reads their tap features
+           lossless verification (the reference rules) -> accepted path + bonus    (the one host sync; at T = 0
+           only the nodes' argmax ids travel)
+           DenseModel.commit: the accepted nodes' K/V move into place; DFlash extends its context with their taps
 
 Drafting, sampled chains, verification rules, sampling order and statistics are the reference decoder's own
 (tfm_runtime.engine); greedy chains, DDTrees and Weaver trees come from StaticChainBuilder, StaticDDTreeBuilder and
@@ -21,11 +22,13 @@ import torch
 from tfm_runtime.engine import DecodeStats, GenerationOutput, SpeculativeDecoder, check_decoder_arguments, finish
 from tfm_runtime.fast.ddtree import StaticChainBuilder, StaticDDTreeBuilder
 from tfm_runtime.fast.dense import DenseModel
+from tfm_runtime.fast.dflash import StaticDFlash
 from tfm_runtime.fast.graphs import GraphedDense
 from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
 from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.weaver import Weaver
 from tfm_runtime.sampling import filter_probs
+from tfm_runtime.verify import verify_greedy_best
 
 
 class FastDecoder:
@@ -36,12 +39,13 @@ class FastDecoder:
     `max_seq_len` slots (default: the model's max_position_embeddings, at most 4096); a request needs prompt +
     max_new_tokens + tree_budget slots. `gdn_backend`: the hybrid model's GDN backend (see HybridModel); hybrid
     targets run without CUDA graphs. `attention`: see DenseModel.
-    `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size) and decode from CUDA
-    graphs captured here (tfm_runtime.fast.graphs), and the tree build from a graph captured at its first build;
-    ignored on the CPU.
+    `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size), decode, the DFlash
+    draft and its context extension from CUDA graphs captured here (tfm_runtime.fast.graphs, StaticDFlash), and the
+    tree build from a graph captured at its first build; ignored on the CPU.
     Greedy chains and DDTrees: one StaticChainBuilder / StaticDDTreeBuilder built here. Weaver trees: one
     StaticWeaverTreeBuilder (batch 1) built here, `weaver_rounds` its round count (default: the worst case, so every
-    tree is the reference's; fewer rounds may cut trees short, see tfm_runtime.fast.weaver_tree).
+    tree is the reference's, in two phases of which the second runs only for trees that need it; fewer rounds may
+    cut trees short, see tfm_runtime.fast.weaver_tree).
     """
 
     # the reference decoder's rule choice, tree building, verification and stage timing, unchanged
@@ -73,6 +77,8 @@ class FastDecoder:
         # the largest tree a round builds: a chain stops at the drafter's lookahead
         self.max_nodes = (min(tree_budget, drafter.lookahead) if proposal == "chain" else tree_budget) + 1
         self.runner = GraphedDense(self.model, (self.max_nodes,)) if cuda_graphs else self.model
+        self.dflash = StaticDFlash(drafter, self.model.embed, self.model.lm_head, self.model.max_seq_len,
+                                   cuda_graphs=cuda_graphs)
         self.weaver_builder = None
         sizes = (tree_budget, drafter.lookahead, target.vocab_size, self.model.device)
         self.ddtree_builder = StaticDDTreeBuilder(*sizes) if proposal == "ddtree" else None
@@ -111,8 +117,7 @@ class FastDecoder:
         model, runner, dev = self.model, self.runner, self.model.device
         t = time.perf_counter()
         out = model.prefill(prompt)
-        dcache = self.drafter.new_cache()
-        self.drafter.extend_context(dcache, out.taps[None])
+        self.dflash.prefill(out.taps)
         first = filter_probs(out.logits.double(), temperature, top_k, top_p)[0]
         bonus = int(first.argmax()) if temperature == 0 else int(torch.multinomial(first.cpu(), 1, generator=generator))
         h_last, start, new = out.hidden[-1], prompt.numel(), [bonus]
@@ -121,26 +126,27 @@ class FastDecoder:
         static = self.weaver_builder or self.ddtree_builder or (self.chain_builder if rule != "chain_sampling"
                                                                 else None)
         while len(new) < max_new_tokens and bonus != eos_token_id:
-            draft_logits, draft_hidden = self.drafter.draft(dcache, torch.tensor([bonus], device=dev), model.embed,
-                                                            model.lm_head)
+            draft_logits, draft_hidden = self.dflash.draft(torch.tensor([bonus], device=dev))   # [L, V], [L, H]
             t = self._tick(stats, "draft", t)
             if static is None:
-                tree, draft_probs = self._tree(bonus, draft_logits[0], draft_hidden[0], h_last, temperature,
-                                               generator)
+                tree, draft_probs = self._tree(bonus, draft_logits, draft_hidden, h_last, temperature, generator)
                 nodes = (tree.tokens.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev))
             else:
                 tree, draft_probs = None, None
-                trees, nodes = self._static_tree(static, bonus, draft_logits[0], draft_hidden[0], h_last)
+                trees, nodes = self._static_tree(static, bonus, draft_logits, draft_hidden, h_last)
             t = self._tick(stats, "tree", t)
             out = runner.verify_tree(*nodes, start)
             if tree is None:                                  # the tree on the host, for the verify rules
                 tree = trees.tree(0).to("cpu")
             t = self._tick(stats, "verify", t)
-            accepted, bonus = self._verify(rule, tree, out.logits[:tree.num_nodes].cpu(), draft_probs, temperature,
-                                           top_k, top_p, generator)
+            if rule == "greedy":
+                accepted, bonus = verify_greedy_best(tree, out.logits[:tree.num_nodes].argmax(-1).cpu())
+            else:
+                accepted, bonus = self._verify(rule, tree, out.logits[:tree.num_nodes].cpu(), draft_probs,
+                                               temperature, top_k, top_p, generator)
             idx = torch.as_tensor(accepted, device=dev)
             model.commit(start, idx)
-            self.drafter.extend_context(dcache, out.taps[idx][None])
+            self.dflash.extend(out.taps[idx])
             h_last, start = out.hidden[accepted[-1]].clone(), start + len(accepted)   # out may be a graph's
             new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]
             stats.accept_lengths.append(len(accepted))

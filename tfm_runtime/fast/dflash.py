@@ -1,0 +1,146 @@
+"""StaticDFlash: DFlash drafting on a static context cache, each call shape-static so it can be a CUDA graph.
+
+The reference drafter (`tfm_runtime.models.dflash.DFlashDrafter`) grows its context K/V by concatenation. Here the
+context K/V of every layer lives in one preallocated buffer whose slot j holds position j, and the committed
+context length is a device tensor, so nothing in a round depends on a host value:
+
+    prefill(taps [T, F])        eager: the prompt's context K/V into slots 0..T-1; length = T
+    extend(taps [n, F])         n <= S rows, padded to S: their K/V into slots length..length+S-1; length += n
+    draft(bonus [1])            the block [bonus, MASK x L] at positions length..length+L: its K/V into slots
+                                length..length+L, every query attending to slots < length + S
+                                -> (logits [L, V], hidden [L, H]) of block positions 1..L
+
+Slots at or past `length` hold stale K/V from padding rows or an earlier block: `draft` overwrites the ones its
+queries can see before reading them, so the outputs equal the reference drafter's up to the order of float sums
+(the reference attends to the concatenated keys without a mask). F = n_taps * H, S = block size, L = S - 1.
+
+With `cuda_graphs` on CUDA, `extend` and `draft` replay graphs captured at construction; their outputs are static
+tensors, valid until the next call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tfm_runtime.models.common import apply_rope, rope_cos_sin
+from tfm_runtime.models.dflash import DFlashDrafter
+
+
+class StaticDFlash:
+    """`drafter` with context slots for `max_len` committed positions (plus one block), on the drafter's device.
+
+    embed_weight [V, H] and lm_head_weight [V, H] are the target's (DFlash has neither of its own).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 max_len: int, cuda_graphs: bool = False):
+        cfg = drafter.cfg
+        p = next(drafter.parameters())
+        self.drafter, self.cfg, self.device, self.dtype = drafter, cfg, p.device, p.dtype
+        self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
+        self.S = cfg.block_size
+        self.slots = max_len + self.S
+        dev, S = self.device, self.S
+        shape = (len(drafter.layers), 1, cfg.num_key_value_heads, self.slots, cfg.head_dim)
+        self.k = torch.zeros(shape, device=dev, dtype=self.dtype)           # [layers, 1, Hkv, slots, D]
+        self.v = torch.zeros(shape, device=dev, dtype=self.dtype)           # [layers, 1, Hkv, slots, D]
+        self.length = torch.zeros(1, device=dev, dtype=torch.long)          # [1] committed context positions
+        self.count = torch.zeros(1, device=dev, dtype=torch.long)           # [1] real rows of taps_in
+        self.taps_in = torch.zeros(S, len(cfg.target_layer_ids) * cfg.hidden_size, device=dev,
+                                   dtype=self.dtype)                        # [S, F]
+        self.block = torch.full((S,), cfg.mask_token_id, device=dev, dtype=torch.long)   # [S] bonus, MASK...
+        self.ar_block = torch.arange(S, device=dev)                         # [S]
+        self.ar_slots = torch.arange(self.slots, device=dev)                # [slots]
+        self.graphs: dict[str, tuple] = {}                                  # name -> (graph, outputs)
+        if cuda_graphs and dev.type == "cuda":
+            self._capture()
+
+    # ---- public ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, taps: torch.Tensor) -> None:
+        """taps [T, F] of positions 0..T-1 (T <= max_len): a new request's context."""
+        T = taps.shape[0]
+        if not 0 < T <= self.slots - self.S:
+            raise ValueError(f"a context of {T} positions does not fit {self.slots - self.S} slots")
+        self._write(taps.to(self.dtype), torch.arange(T, device=self.device))
+        self.length.fill_(T)
+
+    @torch.no_grad()
+    def extend(self, taps: torch.Tensor) -> None:
+        """taps [n, F], 1 <= n <= S: the next committed positions' features."""
+        n = taps.shape[0]
+        if not 0 < n <= self.S:
+            raise ValueError(f"extend takes 1..{self.S} positions, got {n}")
+        self.taps_in[:n].copy_(taps)
+        self.count.fill_(n)
+        if "extend" in self.graphs:
+            self.graphs["extend"][0].replay()
+        else:
+            self._extend()
+
+    @torch.no_grad()
+    def draft(self, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """bonus [1] long -> (logits [L, V], hidden [L, H]) for block positions 1..L."""
+        self.block[:1].copy_(bonus)
+        if "draft" in self.graphs:
+            graph, out = self.graphs["draft"]
+            graph.replay()
+            return out
+        return self._draft()
+
+    # ---- shape-static bodies -----------------------------------------------------------------------
+    def _write(self, taps: torch.Tensor, slots: torch.Tensor) -> None:
+        """Context K/V of taps [n, F] at positions = slots [n], into those slots of every layer."""
+        ctx = self.drafter.hidden_norm(self.drafter.fc(taps))[None]                        # [1, n, H]
+        cos, sin = rope_cos_sin(slots, self.cfg.head_dim, self.cfg.rope_theta, ctx.dtype)  # [n, D]
+        for i, layer in enumerate(self.drafter.layers):
+            k, v = layer.self_attn.kv(ctx, cos, sin)                                       # [1, Hkv, n, D]
+            self.k[i].index_copy_(2, slots, k)
+            self.v[i].index_copy_(2, slots, v)
+
+    def _extend(self) -> None:
+        self._write(self.taps_in, self.length + self.ar_block)
+        self.length += self.count
+
+    def _draft(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, S = self.cfg, self.S
+        nh, hd = cfg.num_attention_heads, cfg.head_dim
+        pos = self.length + self.ar_block                                                  # [S] slots = positions
+        cos, sin = rope_cos_sin(pos, hd, cfg.rope_theta, self.dtype)                       # [S, D]
+        seen = self.ar_slots[None, :] < (self.length + S)                                  # [1, slots]
+        x = F.embedding(self.block, self.embed_weight)[None]                               # [1, S, H]
+        for i, layer in enumerate(self.drafter.layers):
+            att = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rope(att.q_norm(att.q_proj(h).view(1, S, nh, hd)).transpose(1, 2), cos, sin)   # [1, nh, S, D]
+            k_blk, v_blk = att.kv(h, cos, sin)                                             # [1, Hkv, S, D]
+            self.k[i].index_copy_(2, pos, k_blk)
+            self.v[i].index_copy_(2, pos, v_blk)
+            mask = seen
+            if att.sliding and cfg.sliding_window:
+                mask = seen & (self.ar_slots[None, :] > pos[:, None] - cfg.sliding_window)   # [S, slots]
+            o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, scale=hd ** -0.5,
+                                               enable_gqa=True)                            # [1, nh, S, D]
+            x = x + att.o_proj(o.transpose(1, 2).reshape(1, S, nh * hd))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = self.drafter.norm(x)[0, 1:]                                               # [L, H]
+        return hidden @ self.lm_head_weight.T, hidden
+
+    def _capture(self) -> None:
+        """Graphs of `_extend` and `_draft`. Warm-up runs write slots 0..2S-1 and capture leaves `length` as it
+        was; both are reset by the next `prefill`."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):                   # compile kernels and fill the allocator before capture
+            for _ in range(2):
+                self._extend()
+                self._draft()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for name, body in (("extend", self._extend), ("draft", self._draft)):
+            length = self.length.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = body()
+            self.length.copy_(length)
+            self.graphs[name] = (graph, out)
+        self.length.zero_()

@@ -179,6 +179,17 @@ def test_ancestor_masks_equal_the_tree_s():
     assert torch.equal(masks[0], want)
     assert torch.equal(masks[1, :4, :4], torch.ones(4, 4, dtype=torch.bool).tril())
     assert torch.equal(masks[1, 4:], torch.eye(N, dtype=torch.bool)[4:])
+    g = torch.Generator().manual_seed(0)
+    for depth in (1, 2, 5, 15, 16):                     # a chain as deep as max_depth, and random trees
+        chain = torch.arange(-1, depth)[None]                                             # [1, depth + 1]
+        assert torch.equal(ancestor_masks(chain, depth)[0], torch.ones(depth + 1, depth + 1, dtype=torch.bool).tril())
+        par = torch.tensor([-1] + [int(torch.randint(max(0, i - 3), i, (1,), generator=g)) for i in range(1, 40)])
+        d = [0] * 40
+        for i in range(1, 40):
+            d[i] = d[int(par[i])] + 1
+        tree = Tree(tokens=torch.arange(40), parents=par, depths=torch.tensor(d),
+                    draft_logprobs=torch.zeros(40, dtype=torch.float64))
+        assert torch.equal(ancestor_masks(par[None], max(d))[0], tree.ancestor_mask())
 
 
 @pytest.mark.parametrize("family", DENSE)

@@ -1,15 +1,18 @@
 """Collect's integrity, in process (no Ray): shard verification by sha256, the manifest's `complete` mark, failed
-shards (retried, recorded, retried alone by the next run), the kept-response limit, text-only validation."""
+shards (retried, recorded, retried alone by the next run), a stalled Ray job, the kept-response limit, text-only
+validation."""
 import json
 import os
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from pipelines.collect.__main__ import main as collect_main
-from pipelines.collect.__main__ import run
+from pipelines.collect.__main__ import Stalled, rows_until_stall, run
 from pipelines.collect.config import CollectConfig
 from pipelines.shards import read_manifest
 
@@ -203,3 +206,59 @@ def test_text_only_shards_are_validated(tmp_path):
     rows = {"sample_id": np.array([0, 1]), "input_ids": [[1, 2, 3, 6, 7], [4, 5, 9]], "prompt_len": np.array([3, 2])}
     with pytest.raises(ValueError, match="sample 1.*misaligned"):
         validate_text(rows, {0: [1, 2, 3, 6, 7], 1: [4, 5, 8]}, V)
+
+
+def test_rows_until_stall_passes_rows_and_errors_and_stops_on_a_stall():
+    assert list(rows_until_stall(iter([1, 2, 3]), 5)) == [1, 2, 3]
+
+    def crashing():
+        yield 1
+        raise RuntimeError("the worker died")
+    with pytest.raises(RuntimeError, match="the worker died"):
+        list(rows_until_stall(crashing(), 5))
+    hang = threading.Event()
+
+    def stuck():
+        yield 1
+        hang.wait()
+    got, t = [], time.perf_counter()
+    with pytest.raises(Stalled, match=r"no shard finished in 0.5 s \(stall_seconds\)"):
+        for row in rows_until_stall(stuck(), 0.5):
+            got.append(row)
+    assert got == [1] and time.perf_counter() - t < 5
+    hang.set()
+
+
+def test_a_stalled_ray_job_stops_records_the_shards_still_out_and_exits_3(tmp_path, prompts, monkeypatch, capsys):
+    """Ray Data's iterator hangs after the first shard (as it can after an actor restart on an oversubscribed
+    machine): after stall_seconds the job stops, keeps the finished shard, records the others as failed and exits
+    3; the next run retries only those."""
+    import ray
+
+    from pipelines.collect import job
+    cfg = config(tmp_path, [prompts], stall_seconds=1.0)
+    hang = threading.Event()
+
+    class StuckDataset:                                              # the first shard, then nothing
+        def __init__(self, cfg, contract, work):
+            self.rows = job.iter_inline(cfg, contract, work[:1])
+
+        def iter_rows(self):
+            yield from self.rows
+            hang.wait()
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)         # no cluster: the dataset is the fake above
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(job, "build_dataset", StuckDataset)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    assert collect_main(["--config", str(path), "--no-progress"]) == 3
+    hang.set()
+    summary = json.loads(capsys.readouterr().out)
+    m = read_manifest(cfg.output_dir)
+    assert len(m["shards"]) == 1 and len(m["failed"]) == 2 == len(summary["failed"])
+    assert all("no shard finished in 1 s (stall_seconds)" in e for e in m["failed"].values())
+    assert m["complete"] is False and shard_files(cfg.output_dir) == sorted(m["shards"])
+    summary = run(cfg, progress=False, use_ray=False)
+    m = read_manifest(cfg.output_dir)
+    assert summary["failed"] == {} and m["complete"] is True and len(m["shards"]) == 3

@@ -4,7 +4,8 @@ Rolls out the target on prompts and writes validated Arrow/Parquet shards + mani
 On a cluster:  ray job submit --working-dir . -- python -m pipelines.collect --config collect.yaml
 Without one, a local Ray starts. Re-running with the same config resumes: finished shards (intact by sha256) are
 skipped. Exit codes: 0 done (the manifest is marked complete), 2 bad config or input (nothing was collected),
-3 some shards failed after their retries (the summary names them; running again retries only those).
+3 some shards failed after their retries, or the Ray job stalled (no shard finished for `stall_seconds`): the
+summary names them; running again retries only those.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import argparse
 import json
 import logging
 import os
+import queue
 import sys
+import threading
 import time
 
 from pipelines.collect.config import CollectConfig
@@ -72,7 +75,7 @@ def run(cfg: CollectConfig, progress: bool = True, use_ray: bool = True) -> dict
     atomic_write_json(os.path.join(cfg.output_dir, "collect_config.json"), {**cfg.to_dict(), "hash": data_hash})
     log.info("%d usable samples (%d skipped: %s); %d shards to write, %d already done", len(samples),
              sum(skipped.values()), dict(skipped), len(work), done)
-    returned = set()
+    returned, stalled = set(), None
 
     def record(row: dict) -> None:
         returned.add(row["name"])
@@ -104,15 +107,53 @@ def run(cfg: CollectConfig, progress: bool = True, use_ray: bool = True) -> dict
         ctx.max_errored_blocks = -1                          # a shard that fails after Ray's retries: the rest go on
         ds = build_dataset(cfg, contract.to_dict(), work)
         with tqdm(total=len(work), desc="shards", unit="shard", disable=not progress) as bar:
-            for row in ds.iter_rows():
-                record(row)
-                bar.update(1)
+            try:
+                for row in rows_until_stall(ds.iter_rows(), cfg.stall_seconds):
+                    record(row)
+                    bar.update(1)
+            except Stalled as e:
+                stalled = str(e)
+                log.error("%s: stopping; the %d shards still out are recorded as failed", e,
+                          len(work) - len(returned))
+                ray.shutdown()
     for item in work:
-        if item["name"] not in returned:                     # its Ray task failed on every retry
-            manifest.fail(item["name"], f"no result after {1 + cfg.shard_retries} attempts: its Ray actor died "
-                                        f"(out of memory or a crash: see the Ray logs)")
+        if item["name"] not in returned:                     # its Ray task failed on every retry, or it stalled
+            manifest.fail(item["name"], stalled or f"no result after {1 + cfg.shard_retries} attempts: its Ray "
+                                                   f"actor died (out of memory or a crash: see the Ray logs)")
     manifest.finish([item["name"] for item in work])
     return summarize(manifest, time.perf_counter() - t_start)
+
+
+class Stalled(RuntimeError):
+    """No row arrived within the stall limit."""
+
+
+def rows_until_stall(rows, seconds: float):
+    """Yield the rows of `rows` (an iterator that may block) as they arrive; raise Stalled when none arrives for
+    `seconds`. The iterator runs in a daemon thread, so a hung one (a Ray Data pool that lost an actor) cannot hold
+    the job; its exceptions are raised here."""
+    q: queue.Queue = queue.Queue(maxsize=1)
+    done = object()
+
+    def pump():
+        try:
+            for row in rows:
+                q.put((row, None))
+            q.put((done, None))
+        except BaseException as e:                           # handed to the caller
+            q.put((done, e))
+
+    threading.Thread(target=pump, name="collect-rows", daemon=True).start()
+    while True:
+        try:
+            row, error = q.get(timeout=seconds)
+        except queue.Empty:
+            raise Stalled(f"no shard finished in {seconds:g} s (stall_seconds)") from None
+        if error is not None:
+            raise error
+        if row is done:
+            return
+        yield row
 
 
 def _check_output_dir(path: str) -> None:

@@ -42,6 +42,8 @@ class CollectConfig:
     device: str = "auto"                  # auto | cpu | cuda
     shard_retries: int = 2                # a shard whose stage fails is tried again this often, then recorded as
                                           # failed (the next run retries it); an actor that dies is restarted
+    stall_seconds: float = 3600.0         # Ray: no shard finished for this long -> stop, record the shards still
+                                          # out as failed (the next run retries them); longer than one shard takes
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -59,6 +61,7 @@ class CollectConfig:
                   ("max_prompt_tokens", self.max_prompt_tokens >= 1, ">= 1"),
                   ("max_response_tokens", self.max_response_tokens >= 1, ">= 1"),
                   ("shard_retries", self.shard_retries >= 0, ">= 0"),
+                  ("stall_seconds", self.stall_seconds > 0, "> 0"),
                   ("anchors_per_sequence", self.anchors_per_sequence >= 1, ">= 1"),
                   ("candidate_pool", self.candidate_pool >= 1, ">= 1"),
                   ("target_topk", self.target_topk >= 1, ">= 1"),
@@ -85,7 +88,8 @@ class CollectConfig:
         """Hash of every setting that changes the rows (not parallelism, batch sizes or retries): shards written
         under another hash are not reused on resume."""
         d = self.to_dict()
-        for k in ("num_actors", "gpus_per_actor", "device", "output_dir", "limit", "shard_retries"):
+        for k in ("num_actors", "gpus_per_actor", "device", "output_dir", "limit", "shard_retries",
+                  "stall_seconds"):
             d.pop(k)
         if self.response == "regenerate":
             d.pop("max_response_tokens")                     # max_new_tokens bounds regenerated responses

@@ -44,7 +44,8 @@ def test_ray_job_retries_raising_and_dying_shards_and_records_what_still_fails(f
                                              {"role": "assistant", "content": f"answer number {i}, in words."}]}) + "\n")
     cfg = CollectConfig(target="tiny:llama:0", drafter="tiny:llama:0", inputs=[str(chats)],
                         output_dir=str(tmp_path / "out"), response="keep", anchors_per_sequence=2, candidate_pool=8,
-                        target_topk=4, samples_per_shard=2, max_prompt_tokens=64, shard_retries=2)
+                        target_topk=4, samples_per_shard=2, max_prompt_tokens=64, shard_retries=2,
+                        stall_seconds=300)                       # a hung Ray Data pool fails here, not at the timeout
     attempts = tmp_path / "attempts"
     attempts.mkdir()
     fault_plan.write_text(json.dumps({"dir": str(attempts), "samples_per_shard": 2, "1": "raise_once",

@@ -4,7 +4,9 @@
 # rows, rollout tokens/s), to compare with the committed results. About 7 minutes on an H200; carry .whl (the
 # engine tests need transformers >= 5.24).
 #
-#   OUT=out bash benchmarks/gpu/check.sh        # $OUT: gpu_tests.log, gdn.json, train.json, rollout.json, check.txt
+#   OUT=out bash benchmarks/gpu/check.sh        # $OUT: gpu_tests.log, gdn.json, train.json, rollout.json, check.txt,
+#                                               #   gpu_check_h200.json (benchmarks.gpu.check_report: against the
+#                                               #   committed figures)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -23,4 +25,5 @@ timeout 170 python3 -m benchmarks.pipelines.train_bench --preset qwen36_27b --gl
 echo "train: exit $? $(tail -1 /tmp/train.log)" | tee -a "$OUT/check.txt"
 timeout 120 python3 -m benchmarks.runtime.rollout_bench --random-weights --big 0 --budget-s 90 \
   --out "$OUT/rollout.json" >/tmp/rollout.log 2>&1; echo "rollout: exit $? $(tail -2 /tmp/rollout.log | tr '\n' ' ')" | tee -a "$OUT/check.txt"
+python3 -m benchmarks.gpu.check_report "$OUT" --out "$OUT/gpu_check_h200.json" | tee -a "$OUT/check.txt"
 echo "done in $(( $(date +%s) - T0 )) s"

@@ -25,6 +25,7 @@ false until the last), so a run cut short by its time limit keeps what it measur
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import importlib.util
 import json
@@ -158,16 +159,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 # ---- correctness against HF generate (kept apart from the timing rows) ------------------------------------------
-def correctness_vs_hf(model, tok, quick: bool) -> dict:
+def correctness_vs_hf(model, tok, quick: bool, reload) -> dict:
     """tfm_runtime.rollout_check.compare_with_hf in float32 (reference float64) and, for a bf16 model, in bf16
-    (reference float32): same prompts, EOS off, HF left-padded in one batch."""
-    import copy
-
+    (reference float32): same prompts, EOS off, HF left-padded in one batch. reload(dtype) -> the same model in
+    that dtype (a GGUF-loaded model refuses `.float()`, so it is loaded again)."""
     from tfm_runtime.rollout_check import compare_with_hf
     n, new = (4, 8) if quick else (64, 256)
     prompts = build_prompts(tok, n)
-    f32 = copy.deepcopy(model).float()
-    out = {"float32": compare_with_hf(f32, prompts, new, reference=copy.deepcopy(f32).double(), hf_batch=n)}
+    f32 = reload(torch.float32)
+    out = {"float32": compare_with_hf(f32, prompts, new, reference=reload(torch.float64), hf_batch=n)}
     if model.dtype == torch.bfloat16:
         out["bfloat16"] = compare_with_hf(model, prompts, new, reference=f32, hf_batch=n)
     for name, r in out.items():
@@ -219,7 +219,11 @@ def main(argv=None) -> None:
             del gen
             free()
             save(False)
-    notes["correctness_vs_hf"] = correctness_vs_hf(model, tok, args.quick)
+    if args.random_weights:
+        reload = lambda dt: copy.deepcopy(model).to(dt)  # noqa: E731
+    else:
+        reload = lambda dt: load(args.device, dt)[1]  # noqa: E731
+    notes["correctness_vs_hf"] = correctness_vs_hf(model, tok, args.quick, reload)
     save(False)
     if big and time.perf_counter() - t_start < args.budget_s:
         row, _, gen = ours(model, build_prompts(tok, big), batches[-1], new, None if args.random_weights else eos,

@@ -14,7 +14,7 @@ def test_report_compares_each_figure_and_flags_a_change_over_5pct(tmp_path):
                                             "1 failed, 219 passed, 64 skipped in 150.2s\n")
     out = tmp_path / "report.json"
     r = check_report.main([str(tmp_path), "--out", str(out)])
-    assert json.loads(out.read_text())["env"] == {"git_revision": "abc"}
+    assert json.loads(out.read_text())["env"] == {"git_revision": "abc", "command": "OUT=out bash benchmarks/gpu/check.sh"}
     assert r["gpu_tests"] == {"passed": 219, "failed": 1, "skipped": 64, "failed_tests": ["tests/test_x.py::test_y"]}
     by = {row["figure"]: row for row in r["rows"]}
     assert by["GDN tree verify, chain tree, n = 65 (us)"]["change_pct"] == 1.0

@@ -79,7 +79,9 @@ def main(argv=None) -> dict:
         rows.append(row(f"rollout, b = {batch}, eos ignored (new tokens/s)", round(want[0]) if want else None,
                         got[0] if got else None, "rollout_h200.json"))
     measured = [r for r in rows if r["change_pct"] is not None]
-    result = {"env": (gdn or train or rollout or {}).get("env") or env(), "description": args.description,
+    run_env = dict((gdn or train or rollout or {}).get("env") or env())       # the device run's, not this machine's
+    run_env["command"] = "OUT=out bash benchmarks/gpu/check.sh"
+    result = {"env": run_env, "description": args.description,
               "gpu_tests": tests_summary(os.path.join(args.dir, "gpu_tests.log")), "rows": rows,
               "within_5pct": bool(measured) and len(measured) == len(rows)
               and all(abs(r["change_pct"]) <= 5 for r in measured)}

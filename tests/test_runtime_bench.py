@@ -53,3 +53,18 @@ def test_committed_mtbench_ids(monkeypatch):
     monkeypatch.setattr(runtime_bench, "mtbench_ids", no_tokenizer)
     got, source = runtime_bench.load_prompts(argparse.Namespace(smoke=False, target=None, prompts=4), 49152)
     assert got == ids[:4] and "smollm2_mtbench_ids.json" in source
+
+
+def test_shape27b_smoke(tmp_path):
+    """benchmarks/runtime/shape27b_bench.py --smoke: the hybrid target in a tiny shape on the CPU gives every budget's
+    row, with the acceptance lengths of the committed results file for the projection."""
+    from benchmarks.runtime import shape27b_bench
+    out = tmp_path / "shape.json"
+    res = shape27b_bench.main(["--smoke", "--reps", "1", "--budgets", "16", "64", "--out", str(out)])
+    assert json.loads(out.read_text())["budgets"] == res["budgets"] and list(res)[:2] == ["env", "setup"]
+    assert res["setup"]["target"]["gdn_layers"] == 3 and res["setup"]["target"]["attention_layers"] == 1
+    assert res["ar"]["ms"] > 0 and res["draft_ms"] > 0
+    for r, budget in zip(res["budgets"], (16, 64)):
+        assert r["budget"] == budget and 1 < r["nodes"] <= budget + 1
+        assert r["verify_ms"] > 0 and r["tree_build_ms"] > 0 and r["acceptance_length"] > 1
+        assert abs(r["projected_speedup_over_ar"] - r["acceptance_length"] * res["ar"]["ms"] / r["step_ms"]) < 0.01

@@ -26,6 +26,7 @@ import time
 import torch
 
 from benchmarks.common import env, write_results
+from benchmarks.runtime.runtime_bench import median_ms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPE = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
@@ -67,18 +68,10 @@ def drafter_model(shape: dict, target_cfg, taps, dev, dtype):
     return DFlashDrafter(cfg).to(device=dev, dtype=dtype).eval()
 
 
-def median_ms(fn, dev, reps: int, warmup: int = 2) -> float:
-    out = []
-    for i in range(warmup + reps):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            out.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(out)
+def warm_median_ms(fn, dev, reps: int) -> float:
+    """runtime_bench.median_ms after two untimed calls (Triton compilation, allocator)."""
+    fn(), fn()
+    return median_ms(fn, dev, reps)
 
 
 def weaver_acceptance(path: str) -> dict[int, float]:
@@ -130,12 +123,10 @@ def main(argv=None) -> dict:
     token = out.logits.argmax(-1)                                                     # [1]
     pos = torch.tensor([start], device=dev)
 
-    def ar_step():                                     # decodes at the same slot: the cache length stays fixed
-        model.decode(token, pos)
-    rows = {"ar_ms": median_ms(ar_step, dev, args.reps)}
+    ar_ms = warm_median_ms(lambda: model.decode(token, pos), dev, args.reps)   # the same slot each time
     dflash = StaticDFlash(drafter, model.embed, model.lm_head, model.max_seq_len, cuda_graphs=graphs)
     dflash.prefill(out.taps)
-    rows["draft_ms"] = median_ms(lambda: dflash.draft(token), dev, args.reps)
+    draft_ms = warm_median_ms(lambda: dflash.draft(token), dev, args.reps)
     logits, hidden = dflash.draft(token)                                              # [L, V], [L, H]
     cand_logits, cand_ids = logits.float().topk(K, dim=-1)                            # [L, K]
     h_last = out.hidden[-1]
@@ -147,16 +138,12 @@ def main(argv=None) -> dict:
         inputs = (token, h_last[None], hidden[None], cand_ids[None], cand_logits[None].to(dtype))
         if graphs:
             b.capture(*inputs)
-        build_ms = median_ms(lambda: b.build(*inputs), dev, args.reps)
+        build_ms = warm_median_ms(lambda: b.build(*inputs), dev, args.reps)
         trees = b.build(*inputs)
         n = int(trees.num_nodes[0])
         anc = ancestor_masks(trees.parents[:, :n], L)[0]
         tree = (trees.tokens[0, :n], trees.depths[0, :n], anc)
-
-        def verify():
-            model.verify_tree(*tree, start)
-            model._stash = None                         # nothing is committed: the next verify reads the same state
-        verify_ms = median_ms(verify, dev, args.reps)
+        verify_ms = warm_median_ms(lambda: model.verify_tree(*tree, start), dev, args.reps)   # nothing committed
         parents, path = trees.parents[0, :n].tolist(), [0]
         while len(path) < 4 and path[-1] in parents:                                  # a root path of <= 4 nodes
             path.append(parents.index(path[-1]))
@@ -165,16 +152,16 @@ def main(argv=None) -> dict:
         def commit():
             model.verify_tree(*tree, start)
             model.commit(start, path)
-        commit_ms = max(0.0, median_ms(commit, dev, args.reps) - verify_ms)
-        step = rows["draft_ms"] + build_ms + verify_ms + commit_ms
+        commit_ms = max(0.0, warm_median_ms(commit, dev, args.reps) - verify_ms)
+        step = draft_ms + build_ms + verify_ms + commit_ms
         tau = accept.get(budget)
         per_budget.append({"budget": budget, "nodes": n, "verify_ms": round(verify_ms, 3),
-                           "verify_over_ar": round(verify_ms / rows["ar_ms"], 3), "tree_build_ms": round(build_ms, 3),
+                           "verify_over_ar": round(verify_ms / ar_ms, 3), "tree_build_ms": round(build_ms, 3),
                            "commit_ms": round(commit_ms, 3), "step_ms": round(step, 3),
-                           "draft_and_build_over_verify": round((rows["draft_ms"] + build_ms) / verify_ms, 3),
+                           "draft_and_build_over_verify": round((draft_ms + build_ms) / verify_ms, 3),
                            "acceptance_length": tau,
                            "projected_tokens_per_s": round(1e3 * tau / step, 1) if tau else None,
-                           "projected_speedup_over_ar": round(tau * rows["ar_ms"] / step, 3) if tau else None})
+                           "projected_speedup_over_ar": round(tau * ar_ms / step, 3) if tau else None})
         del b
     result = {"env": run_env,
               "setup": {"device": str(dev), "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke,
@@ -185,10 +172,10 @@ def main(argv=None) -> dict:
                         "commit_path_nodes": "a root path of up to 4 nodes of each tree",
                         "prompt_tokens": args.prompt_tokens, "reps": args.reps, "cuda_graphs": graphs,
                         "acceptance_from": os.path.relpath(args.acceptance, ROOT) if accept else None},
-              "ar": {"ms": round(rows["ar_ms"], 3), "floor_ms": args.floor_ms,
-                     "over_floor": round(rows["ar_ms"] / args.floor_ms, 3)},
-              "draft_ms": round(rows["draft_ms"], 3), "budgets": per_budget,
-              "goals": {"ar_over_floor <= 1.15": rows["ar_ms"] / args.floor_ms <= 1.15,
+              "ar": {"ms": round(ar_ms, 3), "floor_ms": args.floor_ms,
+                     "over_floor": round(ar_ms / args.floor_ms, 3)},
+              "draft_ms": round(draft_ms, 3), "budgets": per_budget,
+              "goals": {"ar_over_floor <= 1.15": ar_ms / args.floor_ms <= 1.15,
                         "verify_65_over_ar <= 1.3": next((r["verify_over_ar"] <= 1.3 for r in per_budget
                                                           if r["budget"] == 64), None),
                         "draft_and_build_over_verify <= 0.1 (budget 64)": next(
@@ -199,7 +186,7 @@ def main(argv=None) -> dict:
               "total_s": round(time.perf_counter() - t0, 1)}
     if args.out:
         write_results(args.out, result)
-    print(f"AR step {rows['ar_ms']:.2f} ms (floor {args.floor_ms} ms), draft {rows['draft_ms']:.2f} ms")
+    print(f"AR step {ar_ms:.2f} ms (floor {args.floor_ms} ms), draft {draft_ms:.2f} ms")
     print(f"{'budget':>7}{'nodes':>7}{'verify':>9}{'/AR':>7}{'build':>8}{'commit':>8}{'step':>8}{'tau':>7}{'x AR':>7}")
     for r in per_budget:
         print(f"{r['budget']:>7}{r['nodes']:>7}{r['verify_ms']:>9.2f}{r['verify_over_ar']:>7.2f}"

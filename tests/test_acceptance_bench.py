@@ -94,3 +94,39 @@ def test_t1_rows_of_the_fast_decoder_equal_the_reference_decoders(prompts_dir, t
     assert {r["method"] for r in rows["fast"]} == {"fast_decoder"} and len(rows["fast"]) == 4
     strip = lambda rs: [{k: v for k, v in r.items() if k != "method"} for r in rs]  # noqa: E731
     assert strip(rows["fast"]) == strip(rows["reference"])
+
+
+def test_a_t1_phase_stopped_part_way_resumes_after_its_last_row(prompts_dir, tmp_path, monkeypatch):
+    """Each T = 1 row is saved as it comes; a resumed run keeps those rows (and the hand-written notes) and runs the
+    rest: the rows equal those of a run never stopped."""
+    args = ARGS[:-3] + ["--t1-prompts", "1", "--prompts-dir", prompts_dir, "--datasets", "mtbench",
+                        "--check-prompts", "0", "--no-progress"]
+    whole = str(tmp_path / "whole.json")
+    acceptance.main(args + ["--out", whole])
+    out = str(tmp_path / "stopped.json")
+    write, calls = acceptance.write_results, []
+
+    def stop_after_two_t1_rows(path, result):
+        write(path, result)
+        calls.append(1)
+        if len(calls) == 3:                                   # t0 phase, then two T = 1 rows
+            raise KeyboardInterrupt
+    monkeypatch.setattr(acceptance, "write_results", stop_after_two_t1_rows)
+    with pytest.raises(KeyboardInterrupt):
+        acceptance.main(args + ["--out", out])
+    monkeypatch.undo()
+    stopped = json.load(open(out))
+    assert stopped["finished"] == [["t0", "mtbench"]] and len(stopped["t1_partial"]) == 2
+    stopped["rows"][-1]["acceptance_length"] = 99.0           # a kept row is taken as written, not recomputed
+    stopped["notes"] = {"why": "kept"}
+    with open(out, "w") as f:
+        json.dump(stopped, f)
+    acceptance.main(args + ["--out", out, "--resume"])
+    resumed, straight = json.load(open(out)), json.load(open(whole))
+    assert resumed["finished"] == straight["finished"] and resumed["t1_partial"] == []
+    assert resumed["notes"] == {"why": "kept"}
+    assert len(resumed["rows"]) == len(straight["rows"])
+    t1 = lambda d: [r for r in d["rows"] if r["temperature"] == 1.0]  # noqa: E731
+    assert t1(resumed)[1]["acceptance_length"] == 99.0
+    t1(resumed)[1]["acceptance_length"] = t1(straight)[1]["acceptance_length"]
+    assert t1(resumed) == t1(straight)

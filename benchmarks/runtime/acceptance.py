@@ -122,7 +122,8 @@ def run(args, done: dict | None = None, save=None) -> dict:
     """Rows in three phases, each dataset by dataset: T = 0 along the greedy trajectories (the figures), the
     cross-check of that shortcut against SpeculativeDecoder, then T = 1 decoding. Phases recorded as finished in
     `done` (an earlier result of the same command) are kept as they are, and `save(result)` is called after each
-    phase of each dataset, so a run stopped part way keeps what it finished."""
+    phase of each dataset and after each T = 1 row (`t1_partial` names the rows of an unfinished T = 1 phase), so a
+    run stopped part way keeps what it finished."""
     target, drafter, weavers, tok, world = load_world(args)
     args.block = drafter.cfg.block_size
     pools = {w.cfg.candidate_pool for w in weavers.values()}
@@ -155,10 +156,13 @@ def run(args, done: dict | None = None, save=None) -> dict:
 
     done = done or {}
     finished = [tuple(f) for f in done.get("finished", [])]
-    rows = [r for r in done.get("rows", []) if (f"t{r['temperature']:g}", r["dataset"]) in finished]
+    t1_key = lambda r: [r["dataset"], r["proposal"], r["budget"], r["adapter"], r["verification"]]  # noqa: E731
+    t1_partial = [list(k) for k in done.get("t1_partial", [])]   # T = 1 rows of a phase stopped part way
+    rows = [r for r in done.get("rows", []) if (f"t{r['temperature']:g}", r["dataset"]) in finished
+            or (r["temperature"] == 1.0 and t1_key(r) in t1_partial)]
     hits, checks = dict(done.get("candidate_hit_rate_by_depth", {})), dict(done.get("crosscheck_t0", {}))
     result = {"world": world, "max_new_tokens": n, "candidate_pool": K, "rows": rows, "finished": finished,
-              "candidate_hit_rate_by_depth": hits, "crosscheck_t0": checks}
+              "candidate_hit_rate_by_depth": hits, "crosscheck_t0": checks, "t1_partial": t1_partial}
     sets = {name: recs[:args.limit] if args.limit else recs for name, recs in datasets(args).items()}
     phases = [("t0", name) for name in sets] + [("check", name) for name in sets if args.check_prompts] \
         + [("t1", name) for name in sets if args.t1_prompts]
@@ -203,6 +207,8 @@ def run(args, done: dict | None = None, save=None) -> dict:
             for proposal, budget, adapter in tqdm(configs(args, weavers), desc=f"{name} T=1",
                                                   disable=args.no_progress):
                 for rule in ["target_only"] + (["traversal"] if proposal == "weaver" else []):
+                    if [name, proposal, budget, adapter, rule] in t1_partial:
+                        continue                             # measured by the run this one resumes
                     tally = Tally(L)
                     dec = (FastDecoder(target, drafter, weavers.get(adapter), tree_budget=budget, proposal=proposal,
                                        verification=rule, cuda_graphs=True) if fast_t1
@@ -216,6 +222,10 @@ def run(args, done: dict | None = None, save=None) -> dict:
                                           adapter=adapter, verification=rule,
                                           method="fast_decoder" if fast_t1 else "decoder"))
                     del dec                                  # a FastDecoder holds its static cache and graphs
+                    t1_partial.append(t1_key(rows[-1]))
+                    if save:                                 # a T = 1 phase is long: keep each row as it comes
+                        save(result)
+            t1_partial[:] = [k for k in t1_partial if k[0] != name]
         finished.append((phase, name))
         if save:
             save(result)
@@ -340,6 +350,8 @@ def main(argv=None) -> int:
         result["seconds"] = round(spent + time.time() - t0, 1)
         if earlier:
             result["earlier_runs"] = earlier                 # the env blocks of the runs this one resumed
+        if done.get("notes"):
+            result["notes"] = done["notes"]                  # written by hand beside the rows: kept
         if args.out:
             write_results(args.out, {"env": env(), **result})
 

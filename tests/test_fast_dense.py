@@ -9,7 +9,7 @@ import torch
 from fast_sampling import assert_sampling_equals_reference
 
 from tfm_runtime.engine import SpeculativeDecoder
-from tfm_runtime.fast import DenseConfig, DenseModel, FastDecoder, GraphedDense
+from tfm_runtime.fast import DenseConfig, DenseModel, FastDecoder, GraphedTarget
 from tfm_runtime.fast.graphs import pad_tree
 from tfm_runtime.fast.weaver_tree import ancestor_masks, weaver_tree_rounds
 from tfm_runtime.models.tree_target import TreeVerifier
@@ -254,7 +254,7 @@ def test_bad_inputs_are_refused(worlds):
 
 def test_padded_trees_and_the_cpu_fallback_of_cuda_graphs(small_worlds):
     """Padding nodes (what a graph of a larger size runs) leave the real nodes' outputs unchanged; without CUDA,
-    GraphedDense runs eagerly and FastDecoder(cuda_graphs=True) decodes as without."""
+    GraphedTarget runs eagerly and FastDecoder(cuda_graphs=True) decodes as without."""
     w = small_worlds["llama"]
     model = DenseModel.from_hf(w.target, max_seq_len=32)
     tree, _ = branchy_tree([3, 1, 4, 1, 5], 8)
@@ -264,7 +264,7 @@ def test_padded_trees_and_the_cpu_fallback_of_cuda_graphs(small_worlds):
     padded = model.verify_tree(*pad_tree(tree.tokens, tree.depths, anc, 13), len(SMALL_PROMPT))
     torch.testing.assert_close(padded.logits[:8], plain.logits, atol=ATOL, rtol=0)
     torch.testing.assert_close(padded.taps[:8], plain.taps, atol=ATOL, rtol=0)
-    graphed = GraphedDense(model, (16,))
+    graphed = GraphedTarget(model, (16,))
     assert not graphed.enabled and not graphed.graphs
     kw = dict(tree_budget=16, proposal="ddtree", max_seq_len=64)
     assert FastDecoder(w.target, w.drafter, cuda_graphs=True, **kw).generate(SMALL_PROMPT, 12).tokens == \

@@ -9,11 +9,13 @@ through the Triton tree kernels). Drafter: DFlash in its published 27B shape (5 
 `StaticDFlash` with CUDA graphs. Weaver: `WeaverConfig.qwen36_27b()`, trees built by `StaticWeaverTreeBuilder`
 (captured). Batch 1, a 128-token prompt.
 
-Rows: the AR step (`HybridModel.decode`) against the weight-streaming floor (`--floor-ms`, measured 12.66 ms on the
-H200); per budget 16/32/64/128: the tree verify of the Weaver's tree (`verify_ms`) and its ratio to the AR step, the
-DFlash draft, the Weaver tree build and the commit of a 4-node path, each a median of `--reps`; the projected tokens/s
-and speedup over AR with the mean acceptance length of Weaver trees at that budget from `--acceptance` (the SmolLM2
-figures of benchmarks/results/acceptance.json, T = 0, mean over its datasets: a stand-in until a 27B Weaver exists).
+Rows: the AR step (`HybridModel.decode` replayed from a CUDA graph by `GraphedTarget`; `eager_ms` without) against
+the weight-streaming floor (`--floor-ms`, measured 12.66 ms on the H200); per budget 16/32/64/128: the tree verify of
+the Weaver's tree (`verify_ms`) and its ratio to the AR step, the DFlash draft, the Weaver tree build and the commit
+of a 4-node path (verify and the GDN state commit replayed from the graphs of each budget's tree size), each a median
+of `--reps`; the projected tokens/s and speedup over AR with the mean acceptance length of Weaver trees at that
+budget from `--acceptance` (the SmolLM2 figures of benchmarks/results/acceptance.json, T = 0, mean over its
+datasets: a stand-in until a 27B Weaver exists).
 """
 from __future__ import annotations
 
@@ -97,6 +99,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", help="results JSON")
     args = ap.parse_args(argv)
     from tfm_runtime.fast.dflash import StaticDFlash
+    from tfm_runtime.fast.graphs import GraphedTarget
     from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
     from tfm_runtime.models.weaver import Weaver, WeaverConfig
 
@@ -117,13 +120,17 @@ def main(argv=None) -> dict:
     weaver = Weaver(wcfg).to(device=dev, dtype=dtype).eval()
     K = min(wcfg.candidate_pool, c.vocab_size)
 
+    # decode, verify at each budget's tree size and the GDN state commit as CUDA graphs (eager on the CPU); captured
+    # before the prefill, which starts from empty GDN states
+    runner = GraphedTarget(model, [b + 1 for b in args.budgets])
     prompt = torch.randint(0, c.vocab_size - 1, (args.prompt_tokens,), device=dev)
     out = model.prefill(prompt)
     start = args.prompt_tokens
     token = out.logits.argmax(-1)                                                     # [1]
     pos = torch.tensor([start], device=dev)
 
-    ar_ms = warm_median_ms(lambda: model.decode(token, pos), dev, args.reps)   # the same slot each time
+    ar_eager_ms = warm_median_ms(lambda: model.decode(token, pos), dev, args.reps)   # the same slot each time
+    ar_ms = warm_median_ms(lambda: runner.decode(token, pos), dev, args.reps)
     dflash = StaticDFlash(drafter, model.embed, model.lm_head, model.max_seq_len, cuda_graphs=graphs)
     dflash.prefill(out.taps)
     draft_ms = warm_median_ms(lambda: dflash.draft(token), dev, args.reps)
@@ -143,15 +150,15 @@ def main(argv=None) -> dict:
         n = int(trees.num_nodes[0])
         anc = ancestor_masks(trees.parents[:, :n], L)[0]
         tree = (trees.tokens[0, :n], trees.depths[0, :n], anc)
-        verify_ms = warm_median_ms(lambda: model.verify_tree(*tree, start), dev, args.reps)   # nothing committed
+        verify_ms = warm_median_ms(lambda: runner.verify_tree(*tree, start), dev, args.reps)  # nothing committed
         parents, path = trees.parents[0, :n].tolist(), [0]
         while len(path) < 4 and path[-1] in parents:                                  # a root path of <= 4 nodes
             path.append(parents.index(path[-1]))
         path = torch.tensor(path, device=dev)
 
         def commit():
-            model.verify_tree(*tree, start)
-            model.commit(start, path)
+            runner.verify_tree(*tree, start)
+            runner.commit(start, path)
         commit_ms = max(0.0, warm_median_ms(commit, dev, args.reps) - verify_ms)
         step = draft_ms + build_ms + verify_ms + commit_ms
         tau = accept.get(budget)
@@ -172,7 +179,7 @@ def main(argv=None) -> dict:
                         "commit_path_nodes": "a root path of up to 4 nodes of each tree",
                         "prompt_tokens": args.prompt_tokens, "reps": args.reps, "cuda_graphs": graphs,
                         "acceptance_from": os.path.relpath(args.acceptance, ROOT) if accept else None},
-              "ar": {"ms": round(ar_ms, 3), "floor_ms": args.floor_ms,
+              "ar": {"ms": round(ar_ms, 3), "eager_ms": round(ar_eager_ms, 3), "floor_ms": args.floor_ms,
                      "over_floor": round(ar_ms / args.floor_ms, 3)},
               "draft_ms": round(draft_ms, 3), "budgets": per_budget,
               "goals": {"ar_over_floor <= 1.15": ar_ms / args.floor_ms <= 1.15,
@@ -186,7 +193,7 @@ def main(argv=None) -> dict:
               "total_s": round(time.perf_counter() - t0, 1)}
     if args.out:
         write_results(args.out, result)
-    print(f"AR step {ar_ms:.2f} ms (floor {args.floor_ms} ms), draft {draft_ms:.2f} ms")
+    print(f"AR step {ar_ms:.2f} ms (eager {ar_eager_ms:.2f}, floor {args.floor_ms} ms), draft {draft_ms:.2f} ms")
     print(f"{'budget':>7}{'nodes':>7}{'verify':>9}{'/AR':>7}{'build':>8}{'commit':>8}{'step':>8}{'tau':>7}{'x AR':>7}")
     for r in per_budget:
         print(f"{r['budget']:>7}{r['nodes']:>7}{r['verify_ms']:>9.2f}{r['verify_over_ar']:>7.2f}"

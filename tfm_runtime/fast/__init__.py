@@ -4,10 +4,10 @@ is its correctness oracle."""
 from tfm_runtime.fast.ddtree import StaticChainBuilder, StaticDDTreeBuilder
 from tfm_runtime.fast.decoder import FastDecoder
 from tfm_runtime.fast.dense import DenseConfig, DenseModel, DenseOutput
-from tfm_runtime.fast.graphs import GraphedDense
+from tfm_runtime.fast.graphs import GraphedTarget
 from tfm_runtime.fast.hybrid import HybridConfig, HybridModel
 from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, WeaverTrees, weaver_tree_rounds
 
-__all__ = ["DenseConfig", "DenseModel", "DenseOutput", "FastDecoder", "GraphedDense", "HybridConfig", "HybridModel",
+__all__ = ["DenseConfig", "DenseModel", "DenseOutput", "FastDecoder", "GraphedTarget", "HybridConfig", "HybridModel",
            "StaticChainBuilder", "StaticDDTreeBuilder", "StaticWeaverTreeBuilder", "WeaverTrees",
            "weaver_tree_rounds"]

@@ -23,7 +23,7 @@ from tfm_runtime.engine import DecodeStats, GenerationOutput, SpeculativeDecoder
 from tfm_runtime.fast.ddtree import StaticChainBuilder, StaticDDTreeBuilder
 from tfm_runtime.fast.dense import DenseModel
 from tfm_runtime.fast.dflash import StaticDFlash
-from tfm_runtime.fast.graphs import GraphedDense
+from tfm_runtime.fast.graphs import GraphedTarget
 from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
 from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.weaver import Weaver
@@ -37,11 +37,12 @@ class FastDecoder:
     `target`: a TargetModel or a Hugging Face causal LM: Llama or Qwen3 dense (a `DenseModel`), or a Qwen3-Next /
     Qwen3.5 hybrid with GDN layers (a `HybridModel`). Its weights are shared with that model, whose KV cache holds
     `max_seq_len` slots (default: the model's max_position_embeddings, at most 4096); a request needs prompt +
-    max_new_tokens + tree_budget slots. `gdn_backend`: the hybrid model's GDN backend (see HybridModel); hybrid
-    targets run without CUDA graphs. `attention`: see DenseModel.
-    `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size), decode, the DFlash
-    draft and its context extension from CUDA graphs captured here (tfm_runtime.fast.graphs, StaticDFlash), and the
-    tree build from a graph captured at its first build; ignored on the CPU.
+    max_new_tokens + tree_budget slots. `gdn_backend`: the hybrid model's GDN backend (see HybridModel).
+    `attention`: see DenseModel.
+    `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size), decode, the GDN state
+    commit of hybrid targets, the DFlash draft and its context extension from CUDA graphs captured here
+    (tfm_runtime.fast.graphs, StaticDFlash), and the tree build from a graph captured at its first build; ignored
+    on the CPU.
     Greedy chains and DDTrees: one StaticChainBuilder / StaticDDTreeBuilder built here. Weaver trees: one
     StaticWeaverTreeBuilder (batch 1) built here, `weaver_rounds` its round count (default: the worst case, so every
     tree is the reference's, in two phases of which the second runs only for trees that need it; fewer rounds may
@@ -67,8 +68,6 @@ class FastDecoder:
         self.expand, self.width = expand, width
         if target.is_hybrid:
             from tfm_runtime.fast.hybrid import HybridModel
-            if cuda_graphs:
-                raise ValueError("cuda_graphs=True runs dense targets only; hybrid (GDN) targets run eagerly")
             self.model = HybridModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,
                                              attention=attention, gdn=gdn_backend)
         else:
@@ -76,7 +75,7 @@ class FastDecoder:
                                             attention=attention)
         # the largest tree a round builds: a chain stops at the drafter's lookahead
         self.max_nodes = (min(tree_budget, drafter.lookahead) if proposal == "chain" else tree_budget) + 1
-        self.runner = GraphedDense(self.model, (self.max_nodes,)) if cuda_graphs else self.model
+        self.runner = GraphedTarget(self.model, (self.max_nodes,)) if cuda_graphs else self.model
         self.dflash = StaticDFlash(drafter, self.model.embed, self.model.lm_head, self.model.max_seq_len,
                                    cuda_graphs=cuda_graphs)
         self.weaver_builder = None
@@ -89,7 +88,7 @@ class FastDecoder:
                 adapter, target.embed_weight, target.lm_head_weight, tree_budget, K=K, L=drafter.lookahead, batch=1,
                 expand=expand, width=width, rounds=weaver_rounds, device=self.model.device, dtype=self.model.dtype)
         # graphed verify pads every tree to max_nodes anyway: then static trees go in padded, no host read first
-        self.pad_trees = isinstance(self.runner, GraphedDense) and self.runner.enabled
+        self.pad_trees = isinstance(self.runner, GraphedTarget) and self.runner.enabled
         self.capture_trees = cuda_graphs and self.model.device.type == "cuda"
 
     def _prompt(self, prompt_ids, max_new_tokens: int, tree_nodes: int) -> torch.Tensor:
@@ -145,7 +144,7 @@ class FastDecoder:
                 accepted, bonus = self._verify(rule, tree, out.logits[:tree.num_nodes].cpu(), draft_probs,
                                                temperature, top_k, top_p, generator)
             idx = torch.as_tensor(accepted, device=dev)
-            model.commit(start, idx)
+            runner.commit(start, idx)
             self.dflash.extend(out.taps[idx])
             h_last, start = out.hidden[accepted[-1]].clone(), start + len(accepted)   # out may be a graph's
             new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]

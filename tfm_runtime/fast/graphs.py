@@ -1,10 +1,14 @@
-"""CUDA graphs of DenseModel.decode and verify_tree at fixed tree sizes.
+"""CUDA graphs of a compact target's decode, tree verify and (hybrid targets) GDN state commit at fixed tree sizes.
 
 A tree of n nodes runs in the graph of the smallest captured size N >= n: it is padded with N - n nodes that
-attend to the committed prefix and themselves only, so the real nodes' outputs are unchanged; the padding's K/V land
-in slots after the tree, which the commit never keeps. Inputs are copied into static buffers held on the object and
-the outputs are the graph's static tensors, valid until the next call. Without CUDA, or for a tree larger than every
-captured size, the calls run eagerly.
+attend to the committed prefix and themselves only (GDN: roots of their own, from the committed state), so the real
+nodes' outputs are unchanged; the padding's K/V land in slots after the tree, which the commit never keeps. Inputs
+are copied into static buffers held on the object and the outputs are the graph's static tensors, valid until the
+next call. Without CUDA, or for a tree larger than every captured size, the calls run eagerly.
+
+Hybrid (GDN) targets: the verify graph of size N also leaves its GDN stash (what the commit reads) in static tensors,
+and a second graph per size writes the GDN states after a leaf held in a static buffer into the pools; the K/V
+compaction of the commit (a gather and a scatter of the accepted path's length) runs eagerly.
 """
 from __future__ import annotations
 
@@ -23,15 +27,30 @@ def pad_tree(tokens: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor, N: i
     return (torch.cat([tokens, tokens.new_zeros(N - n)]), torch.cat([depths, depths.new_zeros(N - n)]), pad_anc)
 
 
-class GraphedDense:
-    """`model.verify_tree` and `model.decode` replayed from CUDA graphs captured at `tree_sizes` (and size 1 for
-    decode). Capture runs warm-up passes that write K/V into the last slots of the cache, so it must happen before
-    a request fills them (at construction, before prefill)."""
+def _warm_up(fn, runs: int = 2) -> None:
+    """Run fn on a side stream (what capture needs first: Triton compiles, cuBLAS workspaces)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(runs):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+class GraphedTarget:
+    """`model.verify_tree`, `model.decode` and `model.commit` of a DenseModel or HybridModel, replayed from CUDA graphs
+    captured at `tree_sizes` (and size 1 for decode). Capture runs warm-up passes that write K/V into the last slots
+    of the cache and GDN states into the pools, so it must happen before a request (at construction, before
+    prefill, which starts from empty GDN states)."""
 
     def __init__(self, model: DenseModel, tree_sizes=()):
         self.model = model
+        self.hybrid = hasattr(model, "commit_states")
         self.enabled = model.device.type == "cuda"
         self.graphs: dict[int, tuple] = {}            # N -> (graph, (tokens, depths, anc, start), DenseOutput)
+        self.stashes: dict[int, object] = {}          # N -> the verify graph's GDN stash (hybrid)
+        self.commits: dict[int, tuple] = {}           # N -> (graph, leaf [1] long) of the GDN state commit (hybrid)
+        self.last: int | None = None                  # size of the last verify replayed (hybrid: whose stash counts)
         if self.enabled:
             for N in sorted({1, *tree_sizes}):
                 self._capture(N)
@@ -44,21 +63,30 @@ class GraphedDense:
         depths = torch.zeros(N, dtype=torch.long, device=dev)                               # [N]
         anc = torch.eye(N, dtype=torch.bool, device=dev)                                    # [N, N]
         start = torch.full((1,), m.max_seq_len - N, dtype=torch.long, device=dev)           # [1] writes the tail
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                m.verify_tree(tokens, depths, anc, start)
-        torch.cuda.current_stream().wait_stream(stream)
+        _warm_up(lambda: m.verify_tree(tokens, depths, anc, start))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = m.verify_tree(tokens, depths, anc, start)
         self.graphs[N] = (graph, (tokens, depths, anc, start), out)
+        if self.hybrid:
+            self.stashes[N] = m._stash
+            graph.replay()                                # the stash holds real values for the commit's warm-up
+            leaf = torch.zeros(1, dtype=torch.long, device=dev)                             # [1]
+
+            def commit():
+                m._stash = self.stashes[N]
+                m.commit_states(leaf)
+            _warm_up(commit)
+            commit_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(commit_graph):
+                commit()
+            self.commits[N] = (commit_graph, leaf)
 
     def verify_tree(self, tokens, depths, anc, start) -> DenseOutput:
         """As DenseModel.verify_tree (outputs cover the n real nodes); `start` an int or a long tensor [1]."""
         n = tokens.shape[0]
         sizes = [N for N in self.graphs if N >= n]
+        self.last = None
         if not sizes:
             return self.model.verify_tree(tokens, depths, anc, start)
         N = min(sizes)
@@ -70,8 +98,31 @@ class GraphedDense:
         s_tokens.copy_(tokens), s_depths.copy_(depths), s_anc.copy_(anc)
         s_start.copy_(torch.as_tensor(start).reshape(1))
         graph.replay()
+        if self.hybrid:
+            self.model._stash, self.last = self.stashes[N], N
         return DenseOutput(out.logits[:n], out.hidden[:n], out.taps[:n])
 
+    def commit(self, start, accepted: torch.Tensor) -> None:
+        """As model.commit (accepted [A] long on the device, root first) after this object's verify_tree."""
+        if not self.hybrid or self.last is None:          # dense, or the last verify ran eagerly
+            return self.model.commit(start, accepted)
+        if self.model._stash is None:
+            raise RuntimeError("commit needs a verify_tree first (and commits each tree once)")
+        DenseModel.commit(self.model, start, accepted)                                      # K/V compaction
+        graph, leaf = self.commits[self.last]
+        leaf.copy_(accepted[-1:])
+        graph.replay()
+        self.model._stash, self.last = None, None
+
     def decode(self, token: torch.Tensor, pos) -> torch.Tensor:
-        """As DenseModel.decode: token [1] at position `pos` -> logits [1, V]."""
-        return self.verify_tree(token, self.model.depth0, self.model.one_node, pos).logits
+        """As model.decode: token [1] at position `pos` -> logits [1, V] (hybrid: its GDN states committed)."""
+        logits = self.verify_tree(token, self.model.depth0, self.model.one_node, pos).logits
+        if self.hybrid:
+            if self.last is None:
+                self.model.commit_states(self.model.leaf0)
+                return logits
+            graph, leaf = self.commits[self.last]
+            leaf.zero_()
+            graph.replay()
+            self.model._stash, self.last = None, None
+        return logits

@@ -493,10 +493,11 @@ class HybridModel(DenseModel):
         if self._stash is None:
             raise RuntimeError("commit needs a verify_tree first (and commits each tree once)")
         super().commit(start, accepted)
-        self._commit_gdn(accepted[-1:])
+        self.commit_states(accepted[-1:])
 
-    def _commit_gdn(self, leaf: torch.Tensor) -> None:
-        """leaf [1] long: write each GDN layer's state after that node of the last verified tree into the pools."""
+    def commit_states(self, leaf: torch.Tensor) -> None:
+        """leaf [1] long: write each GDN layer's state after that node of the last verified tree into the pools
+        (the GDN half of `commit`; K/V untouched)."""
         tree, self._stash = self._stash, None
         if self.gdn == "triton":
             from tfm_kernels.gdn_tree import tree_conv1d_commit, tree_gdn_commit
@@ -527,7 +528,7 @@ class HybridModel(DenseModel):
             ar = torch.arange(n, device=dev)
             chain = ar[:, None] >= ar[None, :]                                              # [n, n] causal
             out = self.verify_tree(tokens[s:s + n], ar, chain, s, parents=ar - 1)
-            self._commit_gdn(ar[-1:])                                                       # K/V already in place
+            self.commit_states(ar[-1:])                                                       # K/V already in place
             hs.append(out.hidden)
             taps.append(out.taps)
         h = torch.cat(hs)
@@ -538,5 +539,5 @@ class HybridModel(DenseModel):
         """token [1] long at position `pos` (int or long tensor [1]) -> logits [1, V]. Its K/V (slot pos) and GDN
         states are committed."""
         logits = self.verify_tree(token, self.depth0, self.one_node, pos, parents=self.leaf0 - 1).logits
-        self._commit_gdn(self.leaf0)
+        self.commit_states(self.leaf0)
         return logits

@@ -2,6 +2,8 @@
 ratios and the greedy cross-check of FastDecoder against SpeculativeDecoder."""
 import json
 
+import pytest
+
 from benchmarks.runtime import runtime_bench
 
 
@@ -9,7 +11,7 @@ def test_smoke_rows(tmp_path):
     out = tmp_path / "runtime.json"
     assert runtime_bench.main(["--smoke", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert list(res)[:2] == ["env", "setup"] and res["setup"]["smoke"] and res["errors"] == {}
+    assert list(res)[:2] == ["env", "setup"] and res["setup"]["smoke"] and res["errors"] == {} and res["complete"]
     rows, n = res["rows"], res["setup"]["new_tokens"] * res["setup"]["num_prompts"]
     got = {(r["engine"], r.get("budget")) for r in rows}
     want = {("ours ar", None), ("hf static eager", None)} | {(f"ours {p}", b) for p in ("chain", "ddtree", "weaver")
@@ -31,6 +33,25 @@ def test_smoke_rows(tmp_path):
     assert ratios["weaver_step_over_ar_step"]["value"] > 0
     check = res["crosscheck"]
     assert check["cases"] == 3 and check["identical"] == 3 and check["ar_identical"] == 1 and not check["mismatches"]
+
+
+def test_a_run_cut_short_keeps_its_rows_and_a_failed_stage_its_error(tmp_path, monkeypatch):
+    out = tmp_path / "runtime.json"
+
+    def broken_build(*args):
+        raise RuntimeError("no graph today")
+
+    def killed(*args):
+        raise KeyboardInterrupt                                 # the time limit, part way through the cross-check
+    monkeypatch.setattr(runtime_bench, "tree_build", broken_build)
+    monkeypatch.setattr(runtime_bench, "crosscheck", killed)
+    with pytest.raises(KeyboardInterrupt):
+        runtime_bench.main(["--smoke", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert not res["complete"] and len(res["rows"]) == 8 and "crosscheck" not in res
+    assert res["tree_build"] == {"error": "RuntimeError: no graph today"}
+    assert res["ratios"]["tree_build_ms_captured"]["value"] is None
+    assert "tree build timing: error RuntimeError" in runtime_bench.table(res)
 
 
 def test_committed_mtbench_ids(monkeypatch):
@@ -64,6 +85,7 @@ def test_shape27b_smoke(tmp_path):
     assert json.loads(out.read_text())["budgets"] == res["budgets"] and list(res)[:2] == ["env", "setup"]
     assert res["setup"]["target"]["gdn_layers"] == 3 and res["setup"]["target"]["attention_layers"] == 1
     assert res["ar"]["ms"] > 0 and res["draft_ms"] > 0
+    assert res["ar"]["floor_ms"] is None and res["goals"]["ar_over_floor <= 1.15"] is None   # no floor off the H200
     for r, budget in zip(res["budgets"], (16, 64)):
         assert r["budget"] == budget and 1 < r["nodes"] <= budget + 1
         assert r["verify_ms"] > 0 and r["tree_build_ms"] > 0 and r["acceptance_length"] > 1

@@ -23,6 +23,8 @@ Also: the tree builds alone at budget 64 (`tree_build`: the static Weaver and DD
 the reference builders, and the Weaver builder at ceil(budget / width) rounds, `few_rounds`), the issue's ratios
 with their goals (`ratios`), and a greedy cross-check (`crosscheck`): FastDecoder's tokens, acceptance lengths and
 tree sizes against SpeculativeDecoder's on `--check-prompts` prompts, in float32.
+The results file is rewritten after every row and stage (`complete`: false until the last), so a run cut short by
+its time limit keeps what it measured; a stage that fails records its error and the rest still run.
 With random weights acceptance lengths are about 1 (nothing predicts a random target), so speculative tokens/s says
 little; step times and stage times do not depend on weight values.
 """
@@ -271,11 +273,14 @@ def tree_build(target, drafter, weaver, budget: int, dev, reps: int) -> dict:
     if dev.type == "cuda":
         b.capture(*inputs)
         res["static_captured_ms"] = round(median_ms(lambda: b.build(*inputs), dev, reps), 4)
-        b._graph.replay()
+        phases = [g for g in b._graph if g is not None]                  # both phases: the slowest build
+        for g in phases:
+            g.replay()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         for _ in range(reps):
-            b._graph.replay()
+            for g in phases:
+                g.replay()
         e1.record()
         e1.synchronize()
         res["static_replay_ms"] = round(e0.elapsed_time(e1) / reps, 4)      # back to back, no input copies
@@ -368,15 +373,10 @@ def table(result: dict) -> str:
                      f"{(r['step_ms'] if 'step_ms' in r else float('nan')):>9.3f}"
                      f"{r.get('acceptance_length', 1.0):>8.2f}  {stages}")
     b = result["tree_build"]
-    lines.append(f"weaver tree build (budget {b['budget']}, {b['rounds']} rounds): static eager "
-                 f"{b['static_eager_ms']} ms, captured {b.get('static_captured_ms')} ms (replay "
-                 f"{b.get('static_replay_ms')}), reference {b['reference_ms']} ms, equal {b['equals_reference']}")
-    f = b["few_rounds"]
-    lines.append(f"  with {f['rounds']} rounds: eager {f['eager_ms']} ms, captured {f.get('captured_ms')} ms, "
-                 f"truncated {f['truncated']}, equal {f['equals_reference']}")
-    lines.append(f"ddtree build (budget {b['budget']}): static eager {b['ddtree_static_eager_ms']} ms, captured "
-                 f"{b.get('ddtree_static_captured_ms')} ms, reference {b['ddtree_reference_ms']} ms, equal "
-                 f"{b['ddtree_equals_reference']}")
+    if "error" in b:
+        lines.append(f"tree build timing: error {b['error']}")
+    else:
+        lines += build_lines(b)
     for k, v in result["ratios"].items():
         if k != "note":
             lines.append(f"{k:<42}{str(v['value']):>10}  goal {v['goal']:<9} met {v['met']}")
@@ -387,6 +387,20 @@ def table(result: dict) -> str:
         lines.append(f"greedy cross-check vs SpeculativeDecoder ({c['dtype']}): {c['identical']}/{c['cases']} "
                      f"identical, AR {c['ar_identical']}/{c['cases'] // 3}")
     return "\n".join(lines)
+
+
+def build_lines(b: dict) -> list[str]:
+    lines = []
+    lines.append(f"weaver tree build (budget {b['budget']}, {b['rounds']} rounds): static eager "
+                 f"{b['static_eager_ms']} ms, captured {b.get('static_captured_ms')} ms (replay "
+                 f"{b.get('static_replay_ms')}), reference {b['reference_ms']} ms, equal {b['equals_reference']}")
+    f = b["few_rounds"]
+    lines.append(f"  with {f['rounds']} rounds: eager {f['eager_ms']} ms, captured {f.get('captured_ms')} ms, "
+                 f"truncated {f['truncated']}, equal {f['equals_reference']}")
+    lines.append(f"ddtree build (budget {b['budget']}): static eager {b['ddtree_static_eager_ms']} ms, captured "
+                 f"{b.get('ddtree_static_captured_ms')} ms, reference {b['ddtree_reference_ms']} ms, equal "
+                 f"{b['ddtree_equals_reference']}")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -438,11 +452,25 @@ def main(argv=None) -> int:
         if dev.type != "cuda":
             graph_modes = [False]
         rows, errors = [], {}
+        result = {"env": run_env,
+                  "setup": {"device": str(dev), "dtype": str(dtype).removeprefix("torch."), **world,
+                            "prompts": source, "num_prompts": len(prompts),
+                            "prompt_tokens": [len(p) for p in prompts], "new_tokens": n, "temperature": 0.0,
+                            "batch": 1, "budgets": args.budgets, "weaver_rounds": args.weaver_rounds,
+                            "smoke": args.smoke},
+                  "rows": rows, "errors": errors, "complete": False}
+
+        def save():
+            """Write what is measured so far: a run cut short by its time limit keeps its rows."""
+            result["total_s"] = round(time.perf_counter() - t0, 1)
+            if out_path:
+                write_results(out_path, result)
 
         def add(row):
             rows.append(row)
             print(f"{row['engine']} budget={row.get('budget')} graphs={row.get('cuda_graphs')}: "
                   f"{row['tokens_per_s']:.1f} tok/s, step {row.get('step_ms')} ms", flush=True)
+            save()
 
         for graphs in graph_modes:
             dec = FastDecoder(target, drafter, max_seq_len=seq, cuda_graphs=graphs)
@@ -471,15 +499,14 @@ def main(argv=None) -> int:
                     call = lambda p, k, d=dec: (lambda o: (o.tokens, o.stats))(d.generate(p, k))  # noqa: E731
                     add(run_engine(f"ours {proposal}", call, prompts, n, dev, budget=budget, cuda_graphs=graphs)[0])
                     del dec
-        build = tree_build(target, drafter, weaver, top, dev, args.build_reps)
-        result = {"env": run_env,
-                  "setup": {"device": str(dev), "dtype": str(dtype).removeprefix("torch."), **world,
-                            "prompts": source, "num_prompts": len(prompts),
-                            "prompt_tokens": [len(p) for p in prompts], "new_tokens": n, "temperature": 0.0,
-                            "batch": 1, "budgets": args.budgets, "weaver_rounds": args.weaver_rounds,
-                            "smoke": args.smoke},
-                  "rows": rows, "errors": errors, "tree_build": build,
-                  "ratios": ratios(rows, build, top, graph_modes[0])}
+        try:
+            build = tree_build(target, drafter, weaver, top, dev, args.build_reps)
+        except Exception as e:  # noqa: BLE001 - keep the decoding timings; the error is the result
+            build = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print("tree build timing failed:", build["error"])
+        result["tree_build"] = build
+        result["ratios"] = ratios(rows, build, top, graph_modes[0])
+        save()
         if args.check_prompts:
             try:
                 result["crosscheck"] = crosscheck(target, drafter, weaver, prompts[:args.check_prompts],
@@ -487,9 +514,8 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - keep the timings; the error is the result
                 result["crosscheck"] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print("cross-check failed:", result["crosscheck"]["error"])
-    result["total_s"] = round(time.perf_counter() - t0, 1)
-    if out_path:
-        write_results(out_path, result)
+        result["complete"] = True
+        save()
     print(json.dumps({k: result[k] for k in ("tree_build", "crosscheck") if k in result}))
     print(table(result))
     print(f"({run_env['gpu'] or args.device}; {run_env['git_revision']}; {out_path or 'not written'}; "

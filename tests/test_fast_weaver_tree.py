@@ -198,6 +198,38 @@ def test_the_second_phase_finishes_trees_that_need_short_rounds(monkeypatch):
     assert out.num_nodes.tolist() == [7, 7]                   # root + a chain of depth 6
 
 
+@pytest.mark.interpreter
+def test_the_inference_kernels_stand_in_for_the_torch_ops(monkeypatch):
+    """In CUDA inference the Weaver's norms and rotary embeddings run as single Triton launches
+    (`tfm_kernels.rms_norm`, `tfm_kernels.rope`). Forced on here (the Triton interpreter on the CPU, fp32), the static
+    build gives the trees the torch ops give, with log q to rounding; the node positions' cos / sin table equals
+    `_rope`; and with gradients wanted (training) the torch path runs."""
+    import tfm_runtime.models.common as common
+    import tfm_runtime.models.weaver as weaver_mod
+    w, E, W, roots, h, u, ids, logits = world(3, dtype=torch.float32, B=2, L=6, K=10)
+    ref = build_weaver_trees(w, roots.tolist(), h, u, ids, logits, 16, embed_weight=E, lm_head_weight=W, width=2)
+    depths = torch.tensor([[0, 3, 6], [6, 1, 0]])
+    cos, sin = w._node_rope(depths, torch.float32)
+    want_cos, want_sin = w._rope(depths + 1, torch.float32)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin) and cos.shape == (2, 3, w.cfg.d_rank // 2)
+
+    used = []
+
+    def forced(x, *params):                       # the real rule, less "on CUDA"
+        ok = not (torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad
+                                                                        for p in params)))
+        used.append(ok)
+        return ok
+    monkeypatch.setattr(common, "inference_kernel_ok", forced)
+    monkeypatch.setattr(weaver_mod, "inference_kernel_ok", forced)
+    builder = StaticWeaverTreeBuilder(w, E, W, 16, K=10, L=6, batch=2, width=2)
+    assert_same(builder.build(roots, h, u, ids, logits), ref, TOL[torch.float32])
+    assert used and all(used)
+    used.clear()
+    w.prefix(h, u)                                                # grad enabled, parameters require it: torch ops
+    assert used and not any(used)
+
+
 def test_rejects_bad_shapes_and_cpu_capture():
     w, E, W, roots, h, u, ids, logits = world(0, B=2)
     builder = StaticWeaverTreeBuilder(w, E, W, 8, K=10, L=6, batch=2)

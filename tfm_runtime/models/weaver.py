@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tfm_runtime.models.common import (RMSNorm, apply_rope, load_safetensors_dir, load_strict, rope_cos_sin,
-                                       save_safetensors_dir)
+from tfm_runtime.models.common import (RMSNorm, apply_rope, inference_kernel_ok, load_safetensors_dir, load_strict,
+                                       rope_cos_sin, save_safetensors_dir)
 
 if TYPE_CHECKING:
     from tfm_kernels.candidate_logits.grouped import GroupedTuning
@@ -118,9 +118,15 @@ class WeaverBlock(nn.Module):
         self.down_proj = nn.Linear(cfg.mlp_dim, r)
 
     def qkv(self, x, cos, sin):
-        """x [B, T, r] -> q, k, v [B, nh, T, hd] (q, k rotated)."""
+        """x [B, T, r]; cos, sin [B, T, hd] or [T, hd] -> q, k, v [B, nh, T, hd] (q, k rotated; in CUDA inference by
+        one launch of `tfm_kernels.rope`)."""
         B, T, r = x.shape
-        q, k, v = self.qkv_proj(self.attn_norm(x)).view(B, T, 3, self.nh, r // self.nh).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv_proj(self.attn_norm(x)).view(B, T, 3, self.nh, r // self.nh)       # [B, T, 3, nh, hd]
+        if inference_kernel_ok(qkv, cos, sin, self.qkv_proj.weight):
+            from tfm_kernels.rope import rope_qk
+            q, k = rope_qk(qkv, cos, sin)
+            return q, k, qkv[:, :, 2].transpose(1, 2)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, x, q, k, v, mask):
@@ -226,12 +232,22 @@ class Weaver(nn.Module):
         self.blocks = nn.ModuleList(WeaverBlock(cfg) for _ in range(cfg.num_layers))
         self.out_norm = RMSNorm(cfg.d_rank, cfg.rms_eps)
         self.lm_head_query_in = nn.Linear(cfg.d_rank, cfg.d_model, bias=False)
+        self._rope_tables: dict = {}                      # (device, dtype) -> the cos, sin of node positions
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def _rope(self, pos: torch.Tensor, dtype):
         return rope_cos_sin(pos, self.cfg.d_rank // self.cfg.num_heads, self.cfg.rope_base, dtype)
+
+    def _node_rope(self, depths: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, W, hd] at positions depths + 1 (depths [B, W] in 0..lookahead), gathered from a table made
+        once per device and dtype: the same values as `_rope`, two launches instead of ten per step."""
+        key = (depths.device, dtype)
+        if key not in self._rope_tables:
+            self._rope_tables[key] = self._rope(torch.arange(self.cfg.lookahead + 2, device=depths.device), dtype)
+        cos, sin = self._rope_tables[key]                                                  # [lookahead+2, hd]
+        return cos[depths + 1], sin[depths + 1]
 
     # ---- inference: prefix once per round, then batched node steps ----------------------------------
     def prefix(self, h_final: torch.Tensor, u: torch.Tensor) -> WeaverState:
@@ -256,7 +272,7 @@ class Weaver(nn.Module):
         """
         B, W = tokens.shape
         x = self.token_in(self.embed_norm(F.embedding(tokens, embed_weight)))            # [B, W, r]
-        cos, sin = self._rope(depths + 1, x.dtype)                                        # [B, W, hd]
+        cos, sin = self._node_rope(depths, x.dtype)                                       # [B, W, hd]
         P, Nt = state.prefix_len, state.num_nodes
         eye = torch.eye(W, dtype=torch.bool, device=x.device).expand(B, W, W)
         mask = torch.cat([visible.new_ones(B, W, P), visible, eye], dim=-1)[:, None]      # [B, 1, W, P+Nt+W]

@@ -1,0 +1,91 @@
+"""RMSNorm and the rotary embedding of q, k (Triton, forward) against their float64 references and against the torch
+modules they stand in for; CPU runs use the Triton interpreter (fp32, fp16)."""
+import pytest
+import torch
+
+from tfm_kernels.rms_norm import rms_norm, rms_norm_ref
+from tfm_kernels.rope import rope_qk, rope_qk_ref
+from tfm_runtime.models.common import RMSNorm, apply_rope, rope_cos_sin
+
+
+def _rel(a, b):
+    return float((a.double() - b).norm() / b.norm())
+
+
+def _rms_case(shape, dtype, device, bias, seed=0):
+    g = torch.Generator().manual_seed(seed + sum(shape))
+    x = (3 * torch.randn(shape, generator=g)).to(device, dtype)
+    w = (1 + torch.randn(shape[-1], generator=g)).to(device, dtype)
+    b = torch.randn(shape[-1], generator=g).to(device, dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", [(1, 576), (7, 24), (2, 3, 1000), (5, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rms_norm_matches_float64_and_the_module(shape, bias):
+    """D not a power of 2 (576, 24, 1000) and D = 1, one row and leading dims, with and without bias."""
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
+        x, w, b = _rms_case(shape, dtype, "cpu", bias)
+        y = rms_norm(x, w, b, eps=1e-6)
+        assert y.shape == x.shape and y.dtype == dtype
+        assert _rel(y, rms_norm_ref(x, w, b, 1e-6)) < tol
+        mod = RMSNorm(shape[-1], 1e-6, bias=bias).to(dtype)
+        with torch.no_grad():
+            mod.weight.copy_(w)
+            if bias:
+                mod.bias.copy_(b)
+            want = RMSNorm.forward(mod, x)            # the torch path (the module picks the kernel only on CUDA)
+        # the same roundings in the same order; only the fp32 sum of squares may differ in its last bit
+        torch.testing.assert_close(y, want, rtol=0, atol=2 * torch.finfo(dtype).eps * float(want.abs().max()))
+
+
+def _rope_case(B, T, nh, hd, dtype, device, per_row):
+    g = torch.Generator().manual_seed(B * 100 + T * 10 + hd)
+    qkv = torch.randn(B, T, 3, nh, hd, generator=g).to(device, dtype)
+    pos = torch.randint(0, 40, (B, T) if per_row else (T,), generator=g).to(device)
+    cos, sin = rope_cos_sin(pos, hd, 1e4, dtype)
+    return qkv, cos, sin
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B,T,nh,hd,per_row", [(1, 4, 4, 64, True), (2, 16, 3, 6, False), (3, 1, 1, 2, True),
+                                                (1, 31, 8, 128, False)])
+def test_rope_qk_matches_float64_and_apply_rope(B, T, nh, hd, per_row):
+    """Odd head counts and tiny head dims (3 x 6, 1 x 2), per-row positions [B, T, hd] and shared ones [T, hd]."""
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
+        qkv, cos, sin = _rope_case(B, T, nh, hd, dtype, "cpu", per_row)
+        q, k = rope_qk(qkv, cos, sin)
+        assert q.shape == k.shape == (B, nh, T, hd) and q.dtype == dtype and q.is_contiguous()
+        q64, k64 = rope_qk_ref(qkv, cos, sin)
+        assert _rel(q, q64) < tol and _rel(k, k64) < tol
+        x = qkv.permute(2, 0, 3, 1, 4)                                 # [3, B, nh, T, hd] as WeaverBlock.qkv
+        assert torch.equal(q, apply_rope(x[0], cos, sin)) and torch.equal(k, apply_rope(x[1], cos, sin))
+
+
+@pytest.mark.interpreter
+def test_bad_inputs():
+    x, w, b = _rms_case((3, 8), torch.float32, "cpu", True)
+    for args in ((x.double(), w.double(), None), (x, w[:4], b), (x, w, b.half()), (x[:, :0], w[:0], None)):
+        with pytest.raises(ValueError, match="rms_norm expects"):
+            rms_norm(*args)
+    qkv, cos, sin = _rope_case(2, 4, 2, 8, torch.float32, "cpu", True)
+    for args in ((qkv[:, :, :2], cos, sin), (qkv[..., :7], cos[..., :7], sin[..., :7]), (qkv, cos[:1], sin),
+                 (qkv, cos.half(), sin), (qkv.double(), cos.double(), sin.double())):
+        with pytest.raises(ValueError, match="rope_qk expects"):
+            rope_qk(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_weaver_shapes(dtype):
+    """The Weaver at the Qwen3.6-27B preset (d_rank 1024, 8 heads of 128; d_model 5120) in one tree-build step."""
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    for shape in ((1, 4, 1024), (1, 4, 5120), (64, 31, 1024)):
+        x, w, b = _rms_case(shape, dtype, "cuda", True)
+        assert _rel(rms_norm(x, w, b), rms_norm_ref(x, w, b)) < tol
+    qkv, cos, sin = _rope_case(1, 4, 8, 128, dtype, "cuda", True)
+    q, k = rope_qk(qkv, cos, sin)
+    x = qkv.permute(2, 0, 3, 1, 4)
+    torch.testing.assert_close(q, apply_rope(x[0], cos, sin), rtol=0, atol=tol)
+    torch.testing.assert_close(k, apply_rope(x[1], cos, sin), rtol=0, atol=tol)

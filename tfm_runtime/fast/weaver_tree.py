@@ -10,8 +10,8 @@ children (E = min(expand, K)). Here every tree runs the same fixed number R of r
 
     root step:  one Weaver step (width 1, K/V slot 0) on the root -> its children enter the frontier
     round r = 1 .. R:
-        rank:   every frontier entry gets its rank by (score descending, insertion order ascending): pairwise
-                comparisons, a permutation; the entries of rank < width are this round's `width` placement slots
+        rank:   a stable sort of the frontier by score, descending (rows are in insertion order, below); the
+                entries of rank < width are this round's `width` placement slots
         place:  slot w becomes a node when its entry is valid and w < budget + 1 - count (the remaining budget)
         keep:   the entries of rank width .. width+budget-1 stay, in rank order; the rest can never be placed
                 (at most `budget` more nodes are ever placed and later entries only push them further down)
@@ -21,9 +21,10 @@ children (E = min(expand, K)). Here every tree runs the same fixed number R of r
         push:   slot w's top-E candidates of row depth enter the frontier as children (invalid where log q = -inf)
     finish:     placement slots -> node ids by a cumulative sum over slots (placement order = node order)
 
-Insertion order is a counter per step, slot and child rank, (step * width + w) * E + j: the order in which the
-reference's heap pushes (it skips the invalid children, which does not change the relative order), so equal
-scores go to the earlier push as in the heap. Scores are float64 sums of the float64 log q of each step, as the
+Equal scores go to the earlier push, as in the heap. The frontier's rows are in push order among equal scores: the
+kept entries come first, in rank order (equal scores in push order) and all pushed before the last step's children,
+which follow in the order the reference's heap pushes them, slot w's child j at row N + w * E + j (the heap skips
+the invalid children, which does not change the relative order). So a stable sort breaks ties as the heap does. Scores are float64 sums of the float64 log q of each step, as the
 reference's Python floats. Each node's Weaver step sees the keys the reference's step sees for it (the prefix, its
 ancestors' slots, itself). The reference sizes a step by the row that expands most nodes, so where its step is
 narrower than `width` the same keys sit at other offsets and products of other shapes can round the last bit of
@@ -45,14 +46,14 @@ R rounds, S = 1 + (R-1) Wd K/V slots, P = 1 + R Wd placement slots, M = N + Wd E
 
     state.k[i], state.v[i]  [B, nh, 1+L+S, hd]  Weaver K/V per layer (WeaverState.static): the prefix, then the slots
     visible                 [B, S, S] bool      row s: the K/V slots of the strict ancestors of the node in slot s
-    front_int               [B, M, 4] long      frontier (order, parent slot, token, depth); rows 0..N-1 the kept
+    front_int               [B, M, 3] long      frontier (parent slot, token, depth); rows 0..N-1 the kept
                                                 entries in rank order, rows N.. the children of the last step
     front_flt               [B, M, 2] float64   frontier (score, log q); score -inf marks an invalid entry
     slot_int                [B, P, 3] long      placement slots (parent slot, token, depth); slot 0 the root
     slot_flt                [B, P, 2] float64   placement slots (score, log q)
     slot_placed             [B, P] bool         the slot holds a node
     count                   [B] long            nodes placed so far (root included)
-    perm                    [B, M] long         scratch: perm[b, k] = the frontier entry of rank k
+    perm, ranked            [B, M] long, f64    scratch: perm[b, k] = the frontier entry of rank k, its score
     tokens, parents, depths [B, N+2] long       output nodes (column N+1 collects the writes of unplaced slots)
     draft_logprobs          [B, N+2] float64    output log q (root 0)
     num_nodes               [B] long            nodes per tree (<= N+1)
@@ -141,13 +142,14 @@ class StaticWeaverTreeBuilder:
         self.state = WeaverState.static(cfg.num_layers, B, cfg.num_heads, 1 + self.L, cfg.d_rank // cfg.num_heads, S,
                                         device=dev, dtype=self.dtype)   # k, v [B, nh, 1+L+S, hd] per layer
         self.visible = torch.zeros(B, S, S, device=dev, dtype=torch.bool)      # [B, S, S]
-        self.front_int = torch.zeros(B, M, 4, **long)                           # [B, M, (order, parent, token, depth)]
+        self.front_int = torch.zeros(B, M, 3, **long)                           # [B, M, (parent, token, depth)]
         self.front_flt = torch.zeros(B, M, 2, **f64)                            # [B, M, (score, log q)]
         self.slot_int = torch.zeros(B, P, 3, **long)                            # [B, P, (parent, token, depth)]
         self.slot_flt = torch.zeros(B, P, 2, **f64)                             # [B, P, (score, log q)]
         self.slot_placed = torch.zeros(B, P, device=dev, dtype=torch.bool)      # [B, P]
         self.count = torch.zeros(B, **long)                                     # [B]
         self.perm = torch.zeros(B, M, **long)                                   # [B, M]
+        self.ranked = torch.zeros(B, M, **f64)                                  # [B, M]
         self.tokens = torch.zeros(B, N + 2, **long)                             # [B, N+2]
         self.parents = torch.zeros(B, N + 2, **long)                            # [B, N+2]
         self.depths = torch.zeros(B, N + 2, **long)                             # [B, N+2]
@@ -155,11 +157,8 @@ class StaticWeaverTreeBuilder:
         self.num_nodes = torch.zeros(B, **long)                                 # [B]
         self.truncated = torch.zeros(B, device=dev, dtype=torch.bool)           # [B]
         # constants
-        self.ar_front = torch.arange(M, **long).expand(B, M)                    # [B, M]
         self.ar_width = torch.arange(Wd, **long)                                # [Wd]
         self.ar_slots = torch.arange(S, **long)                                 # [S]
-        self.kept_order = torch.arange(N, **long) - N                           # [N]: below every pushed order
-        self.child_order = torch.arange(Wd * E, **long)                         # [Wd*E]
         self.zeros_long = torch.zeros(B, Wd, **long)                            # [B, Wd]
         self.root_depth = torch.zeros(B, 1, **long)                             # [B, 1]
         self.root_active = torch.ones(B, 1, device=dev, dtype=torch.bool)       # [B, 1]
@@ -227,11 +226,13 @@ class StaticWeaverTreeBuilder:
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
 
+    @torch.no_grad()
     def _first(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """The first phase on the static buffers: reset, root step, rounds 1..R1, finish (a fixed op sequence)."""
         self._start(roots, h_final, dflash_hidden, cand_ids, cand_logits)
         self._rounds(1, self.first_rounds, cand_ids, cand_logits)
 
+    @torch.no_grad()
     def _second(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """The second phase: rounds R1+1..R, finish (a no-op build when R1 = R)."""
         if self.first_rounds < self.rounds:
@@ -243,7 +244,6 @@ class StaticWeaverTreeBuilder:
         self.state.reset(self.weaver.prefix(h_final, dflash_hidden[:, :L]))
         self.visible[:, 0].zero_()                                             # the root sees no node slot
         self.front_flt[:, :, 0].fill_(-math.inf)                               # empty frontier
-        self.front_int[:, :N, 0].copy_(self.kept_order)
         self.slot_int[:, 0, 0].fill_(-1)
         self.slot_int[:, 0, 1].copy_(roots)
         self.slot_int[:, 0, 2].fill_(0)
@@ -252,7 +252,7 @@ class StaticWeaverTreeBuilder:
         self.count.fill_(1)
         root = roots[:, None]                                                  # [B, 1]
         h = self.weaver.step(self.state, root, self.root_depth, self.visible[:, :1, :0], self.embed_weight)  # [B,1,r]
-        self._push(h, 0, 0, self.root_depth, self.root_active, self.root_score, cand_ids, cand_logits)
+        self._push(h, 0, self.root_depth, self.root_active, self.root_score, cand_ids, cand_logits)
 
     def _rounds(self, first: int, last: int, cand_ids, cand_logits) -> None:
         """Rounds first..last (each a fixed op sequence), then finish: node rows and `truncated`."""
@@ -269,10 +269,10 @@ class StaticWeaverTreeBuilder:
                 tok = torch.where(active, tok, self.zeros_long)                # [B, Wd] padding: token 0
                 dep = torch.where(active, dep, self.zeros_long)                # [B, Wd] padding: depth 0
                 h = self.weaver.step(self.state, tok, dep, rows[:, :, :s0], self.embed_weight)   # [B, Wd, r]
-                self._push(h, r, s0, dep, active, score, cand_ids, cand_logits)
+                self._push(h, s0, dep, active, score, cand_ids, cand_logits)
         self._finish(active if last == R else None)
 
-    def _push(self, h, step: int, s0: int, dep, active, score, cand_ids, cand_logits) -> None:
+    def _push(self, h, s0: int, dep, active, score, cand_ids, cand_logits) -> None:
         """Children of the W slots of one step into frontier rows N .. N+Wd*E-1.
 
         h [B, W, r]; dep [B, W] long; active [B, W] bool (the slot is a node that expands); score [B, W] f64.
@@ -287,15 +287,14 @@ class StaticWeaverTreeBuilder:
         valid = active[..., None] & (logq > -math.inf)                         # [B, W, E] (NaN: invalid)
         child_score = torch.where(valid, score[..., None] + logq, -math.inf)   # [B, W, E]
         n = W * E
-        ints = self.front_int[:, N: N + n].view(B, W, E, 4)                    # [B, W, E, 4]
-        ints[..., 1] = (s0 + self.ar_width[:W])[:, None]                      # parent slot
-        ints[..., 2] = ids.gather(-1, top.indices)                             # token
-        ints[..., 3] = (dep + 1)[..., None]                                    # depth
+        ints = self.front_int[:, N: N + n].view(B, W, E, 3)                    # [B, W, E, 3]
+        ints[..., 0] = (s0 + self.ar_width[:W])[:, None]                      # parent slot
+        ints[..., 1] = ids.gather(-1, top.indices)                             # token
+        ints[..., 2] = (dep + 1)[..., None]                                    # depth
         flts = self.front_flt[:, N: N + n].view(B, W, E, 2)                    # [B, W, E, 2]
         flts[..., 0] = child_score
         flts[..., 1] = logq
         self.front_flt[:, N + n:, 0] = -math.inf                               # rows no slot of this step fills
-        self.front_int[:, N:, 0] = step * self.width * E + self.child_order    # insertion order [Wd*E]
 
     def _place(self, s0: int):
         """Rank the frontier, place the first `width` entries into slots s0 .. s0+Wd-1, keep the next `budget`.
@@ -303,25 +302,20 @@ class StaticWeaverTreeBuilder:
         Returns the slots' token, parent slot, depth [B, Wd] long, score [B, Wd] f64 and active [B, Wd] bool (placed
         at a depth that still has a candidate row, i.e. expands in the next step)."""
         B, N, Wd, M = self.batch, self.budget, self.width, self.front
-        key = self.front_flt[:, :, 0]                                          # [B, M]
-        order = self.front_int[:, :, 0]                                        # [B, M]
-        ki, kj = key[:, :, None], key[:, None, :]                              # [B, M, 1], [B, 1, M]
-        ahead = (kj > ki) | ((kj == ki) & (order[:, None, :] < order[:, :, None]))   # [B, M, M]: j before i
-        rank = ahead.sum(-1)                                                   # [B, M], a permutation of 0..M-1
-        self.perm.scatter_(1, rank, self.ar_front)                             # [B, M]
+        torch.sort(self.front_flt[:, :, 0], dim=1, descending=True, stable=True, out=(self.ranked, self.perm))
         take = self.perm[:, :Wd]                                               # [B, Wd]
-        ints = self.front_int.gather(1, take[..., None].expand(B, Wd, 4))      # [B, Wd, 4]
+        ints = self.front_int.gather(1, take[..., None].expand(B, Wd, 3))      # [B, Wd, 3]
         flts = self.front_flt.gather(1, take[..., None].expand(B, Wd, 2))      # [B, Wd, 2]
         placed = (flts[..., 0] > -math.inf) & (self.ar_width < (N + 1 - self.count)[:, None])   # [B, Wd]
-        self.slot_int[:, s0: s0 + Wd] = ints[..., 1:]
+        self.slot_int[:, s0: s0 + Wd] = ints
         self.slot_flt[:, s0: s0 + Wd] = flts
         self.slot_placed[:, s0: s0 + Wd] = placed
         self.count += placed.sum(1)
         keep = self.perm[:, Wd: Wd + N]                                        # [B, N]
-        self.front_int[:, :N] = self.front_int.gather(1, keep[..., None].expand(B, N, 4))
+        self.front_int[:, :N] = self.front_int.gather(1, keep[..., None].expand(B, N, 3))
         self.front_flt[:, :N] = self.front_flt.gather(1, keep[..., None].expand(B, N, 2))
-        dep = ints[..., 3]                                                     # [B, Wd]
-        return ints[..., 2], ints[..., 1], dep, flts[..., 0], placed & (dep < self.L)
+        dep = ints[..., 2]                                                     # [B, Wd]
+        return ints[..., 1], ints[..., 0], dep, flts[..., 0], placed & (dep < self.L)
 
     def _finish(self, last_active) -> None:
         """Placement slots -> node rows; `truncated` where entries or expandable nodes are left.

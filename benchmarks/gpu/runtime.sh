@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" TOKENIZER
 python3 -m benchmarks.gpu.wheels /root/site transformers >/tmp/wheels.log 2>&1 || cat /tmp/wheels.log
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
 
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_*.py tests/test_kernels_rms_norm_rope.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_*.py tests/test_kernels_rms_norm_rope.py tests/test_kernels_weaver_frontier.py \
   >"$OUT/tests.log" 2>&1
 echo "tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/session.txt"
 

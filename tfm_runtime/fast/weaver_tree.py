@@ -54,6 +54,7 @@ R rounds, S = 1 + (R-1) Wd K/V slots, P = 1 + R Wd placement slots, M = N + Wd E
     slot_placed             [B, P] bool         the slot holds a node
     count                   [B] long            nodes placed so far (root included)
     perm, ranked            [B, M] long, f64    scratch: perm[b, k] = the frontier entry of rank k, its score
+    placed_out              4 x [B, Wd]         one round's slots: token, depth (0 where not active), score, active
     tokens, parents, depths [B, N+2] long       output nodes (column N+1 collects the writes of unplaced slots)
     draft_logprobs          [B, N+2] float64    output log q (root 0)
     num_nodes               [B] long            nodes per tree (<= N+1)
@@ -69,6 +70,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tfm_kernels.weaver_frontier import place as fused_place
+from tfm_kernels.weaver_frontier import place_ref
 from tfm_runtime.models.weaver import Weaver, WeaverState
 from tfm_runtime.tree import Tree
 
@@ -158,8 +161,9 @@ class StaticWeaverTreeBuilder:
         self.truncated = torch.zeros(B, device=dev, dtype=torch.bool)           # [B]
         # constants
         self.ar_width = torch.arange(Wd, **long)                                # [Wd]
-        self.ar_slots = torch.arange(S, **long)                                 # [S]
-        self.zeros_long = torch.zeros(B, Wd, **long)                            # [B, Wd]
+        self.placed_out = (torch.zeros(B, Wd, **long), torch.zeros(B, Wd, **long),
+                           torch.zeros(B, Wd, **f64), torch.zeros(B, Wd, device=dev, dtype=torch.bool))
+        self.fused_place = dev.type == "cuda"                   # the placement step in one Triton launch
         self.root_depth = torch.zeros(B, 1, **long)                             # [B, 1]
         self.root_active = torch.ones(B, 1, device=dev, dtype=torch.bool)       # [B, 1]
         self.root_score = torch.zeros(B, 1, **f64)                              # [B, 1]
@@ -259,16 +263,10 @@ class StaticWeaverTreeBuilder:
         B, Wd, R = self.batch, self.width, self.rounds
         for r in range(first, last + 1):
             s0 = 1 + (r - 1) * Wd                                              # first placement slot of round r
-            tok, parent, dep, score, active = self._place(s0)                  # [B, Wd] each
+            tok, dep, score, active = self._place(s0, expand=r < R)          # [B, Wd] each
             if r < R:
-                # slot w sees its parent's visible slots and the parent's own slot (a parent always has one)
-                par = parent.clamp(min=0)                                      # [B, Wd]
-                rows = self.visible.gather(1, par[..., None].expand(B, Wd, self.slots))   # [B, Wd, S]
-                rows = (rows | (self.ar_slots == par[..., None])) & active[..., None]      # [B, Wd, S]
-                self.visible[:, s0: s0 + Wd] = rows
-                tok = torch.where(active, tok, self.zeros_long)                # [B, Wd] padding: token 0
-                dep = torch.where(active, dep, self.zeros_long)                # [B, Wd] padding: depth 0
-                h = self.weaver.step(self.state, tok, dep, rows[:, :, :s0], self.embed_weight)   # [B, Wd, r]
+                rows = self.visible[:, s0: s0 + Wd, :s0]                       # [B, Wd, s0] the slots' ancestors
+                h = self.weaver.step(self.state, tok, dep, rows, self.embed_weight)   # [B, Wd, r]
                 self._push(h, s0, dep, active, score, cand_ids, cand_logits)
         self._finish(active if last == R else None)
 
@@ -296,26 +294,19 @@ class StaticWeaverTreeBuilder:
         flts[..., 1] = logq
         self.front_flt[:, N + n:, 0] = -math.inf                               # rows no slot of this step fills
 
-    def _place(self, s0: int):
-        """Rank the frontier, place the first `width` entries into slots s0 .. s0+Wd-1, keep the next `budget`.
+    def _place(self, s0: int, expand: bool):
+        """Rank the frontier (a stable sort by score, descending), place the first `width` entries into slots
+        s0 .. s0+Wd-1, keep the next `budget`; when `expand`, write the slots' rows of `visible` (a slot sees its
+        parent's ancestors and the parent; a slot that does not expand sees nothing). One launch of
+        `tfm_kernels.weaver_frontier` on CUDA, its torch reference elsewhere.
 
-        Returns the slots' token, parent slot, depth [B, Wd] long, score [B, Wd] f64 and active [B, Wd] bool (placed
-        at a depth that still has a candidate row, i.e. expands in the next step)."""
-        B, N, Wd, M = self.batch, self.budget, self.width, self.front
+        Returns the slots' token and depth [B, Wd] long (0, padding, where the slot does not expand), score [B, Wd]
+        f64 and active [B, Wd] bool (placed at a depth that still has a candidate row: it expands next step)."""
         torch.sort(self.front_flt[:, :, 0], dim=1, descending=True, stable=True, out=(self.ranked, self.perm))
-        take = self.perm[:, :Wd]                                               # [B, Wd]
-        ints = self.front_int.gather(1, take[..., None].expand(B, Wd, 3))      # [B, Wd, 3]
-        flts = self.front_flt.gather(1, take[..., None].expand(B, Wd, 2))      # [B, Wd, 2]
-        placed = (flts[..., 0] > -math.inf) & (self.ar_width < (N + 1 - self.count)[:, None])   # [B, Wd]
-        self.slot_int[:, s0: s0 + Wd] = ints
-        self.slot_flt[:, s0: s0 + Wd] = flts
-        self.slot_placed[:, s0: s0 + Wd] = placed
-        self.count += placed.sum(1)
-        keep = self.perm[:, Wd: Wd + N]                                        # [B, N]
-        self.front_int[:, :N] = self.front_int.gather(1, keep[..., None].expand(B, N, 3))
-        self.front_flt[:, :N] = self.front_flt.gather(1, keep[..., None].expand(B, N, 2))
-        dep = ints[..., 2]                                                     # [B, Wd]
-        return ints[..., 1], ints[..., 0], dep, flts[..., 0], placed & (dep < self.L)
+        place = fused_place if self.fused_place else place_ref
+        place(self.front_int, self.front_flt, self.perm, self.slot_int, self.slot_flt, self.slot_placed, self.count,
+              self.visible, self.placed_out, s0, self.budget, self.L, expand)
+        return self.placed_out
 
     def _finish(self, last_active) -> None:
         """Placement slots -> node rows; `truncated` where entries or expandable nodes are left.

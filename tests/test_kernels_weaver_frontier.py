@@ -1,0 +1,63 @@
+"""The Weaver build's placement step in one Triton launch against its torch reference (tfm_kernels.weaver_frontier):
+every buffer it writes equal, on random frontiers with ties, invalid entries, a budget that runs out, and the last
+round (nothing expands); CPU runs use the Triton interpreter."""
+import math
+
+import pytest
+import torch
+
+from tfm_kernels.weaver_frontier import place, place_ref
+
+
+def buffers(seed, B, N, W, E, R, filled):
+    g = torch.Generator().manual_seed(seed)
+    M, S, P = N + W * E, 1 + (R - 1) * W, 1 + R * W
+    front_int = torch.stack([torch.randint(0, S, (B, M), generator=g), torch.randint(0, 50, (B, M), generator=g),
+                             torch.randint(0, 6, (B, M), generator=g)], -1)                 # parent, token, depth
+    score = torch.randint(-4, 1, (B, M), generator=g).double()                              # many ties
+    score[torch.rand(B, M, generator=g) < 0.3] = -math.inf                                  # invalid entries
+    front_flt = torch.stack([score, torch.randn(B, M, generator=g, dtype=torch.float64)], -1)
+    perm = torch.sort(score, dim=1, descending=True, stable=True).indices
+    slot_int, slot_flt = torch.randint(0, 9, (B, P, 3), generator=g), torch.randn(B, P, 2, generator=g).double()
+    slot_placed = torch.rand(B, P, generator=g) < 0.5
+    count = torch.tensor([filled, N + 1 - 1, N + 1][:B])                                    # room for all, 1, none
+    visible = torch.rand(B, S, S, generator=g) < 0.3
+    out = (torch.full((B, W), 7), torch.full((B, W), 7), torch.zeros(B, W).double(), torch.zeros(B, W, dtype=torch.bool))
+    return [front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, out]
+
+
+def check(N, W, E, R, device):
+    for seed in range(3):
+        for r in range(1, R + 1):
+            s0, expand = 1 + (r - 1) * W, r < R
+            a, b = (buffers(seed * 100 + r, 3, N, W, E, R, filled=min(r, N)) for _ in range(2))
+            b = [t.to(device) for t in b[:-1]] + [tuple(t.to(device) for t in b[-1])]
+            place_ref(*a, s0=s0, budget=N, lookahead=5, expand=expand)
+            place(*b, s0=s0, budget=N, lookahead=5, expand=expand)
+            for x, y in zip(a[:-1] + list(a[-1]), b[:-1] + list(b[-1])):
+                assert torch.equal(x, y.cpu())
+
+
+SHAPES = [(16, 1, 8, 16), (64, 4, 8, 16), (7, 3, 2, 5), (1, 1, 1, 1)]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("N,W,E,R", SHAPES)
+def test_place_equals_the_reference(N, W, E, R):
+    check(N, W, E, R, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,W,E,R", SHAPES + [(128, 8, 8, 16)])
+def test_gpu_place_equals_the_reference(N, W, E, R):
+    check(N, W, E, R, "cuda")
+
+
+@pytest.mark.interpreter
+def test_bad_buffers():
+    bufs = buffers(0, 3, 8, 2, 4, 4, 1)
+    with pytest.raises(ValueError, match="place expects"):
+        place(*bufs, s0=1 + 3 * 2, budget=8, lookahead=5, expand=True)                  # the last round expands
+    bufs[7] = bufs[7].transpose(1, 2)
+    with pytest.raises(ValueError, match="place expects"):
+        place(*bufs, s0=1, budget=8, lookahead=5, expand=True)                          # not contiguous

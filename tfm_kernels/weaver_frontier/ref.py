@@ -1,0 +1,43 @@
+"""The placement step of the shape-static Weaver tree build in torch ops: the reference of the fused kernel."""
+import math
+
+import torch
+
+
+def place_ref(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, out, s0: int,
+              budget: int, lookahead: int, expand: bool) -> None:
+    """Place the `width` best frontier entries into slots s0 .. s0+width-1 and keep the next `budget`, in place.
+
+    front_int [B, M, 3] long (parent slot, token, depth), front_flt [B, M, 2] f64 (score, log q): the frontier;
+    perm [B, M] long: its entries by rank (a stable sort by score, descending); slot_int [B, P, 3], slot_flt [B, P, 2],
+    slot_placed [B, P] bool: the placement slots; count [B] long: nodes placed so far; visible [B, S, S] bool: row s,
+    the slots of the strict ancestors of the node in slot s (rows s0.. written when `expand`: the slot's parent's row
+    and the parent itself, empty where the slot does not expand); out = (tok, dep [B, W] long, score [B, W] f64,
+    active [B, W] bool): the slots' token and depth (0 where not active), score, and whether the slot is a node at a
+    depth < lookahead (it expands in the next Weaver step).
+    """
+    tok, dep, score, active = out
+    B, W = tok.shape
+    N, S = budget, visible.shape[-1]
+    take = perm[:, :W]                                                        # [B, W]
+    ints = front_int.gather(1, take[..., None].expand(B, W, 3))               # [B, W, 3]
+    flts = front_flt.gather(1, take[..., None].expand(B, W, 2))               # [B, W, 2]
+    slots = torch.arange(W, device=tok.device)
+    placed = (flts[..., 0] > -math.inf) & (slots < (N + 1 - count)[:, None])  # [B, W]
+    slot_int[:, s0: s0 + W] = ints
+    slot_flt[:, s0: s0 + W] = flts
+    slot_placed[:, s0: s0 + W] = placed
+    count += placed.sum(1)
+    keep = perm[:, W: W + N]                                                  # [B, N]
+    front_int[:, :N] = front_int.gather(1, keep[..., None].expand(B, N, 3))
+    front_flt[:, :N] = front_flt.gather(1, keep[..., None].expand(B, N, 2))
+    act = placed & (ints[..., 2] < lookahead)                                 # [B, W]
+    if expand:
+        par = ints[..., 0].clamp(min=0)                                       # [B, W]
+        rows = visible.gather(1, par[..., None].expand(B, W, S))              # [B, W, S]
+        rows |= torch.arange(S, device=tok.device) == par[..., None]
+        visible[:, s0: s0 + W] = rows & act[..., None]
+    tok.copy_(torch.where(act, ints[..., 1], 0))
+    dep.copy_(torch.where(act, ints[..., 2], 0))
+    score.copy_(flts[..., 0])
+    active.copy_(act)

@@ -39,14 +39,14 @@ def world(seed, dtype=torch.float64, B=2, L=6, K=10, lookahead=None, ties=False,
 
 
 def build_both(seed, budget, expand=8, width=None, rounds=None, fused=False, **kw):
-    """The static builder's trees and the reference's; `fused`: the placement step as the CUDA build runs it (one
-    Triton launch, here under the interpreter)."""
+    """The static builder's trees and the reference's; `fused`: the frontier steps as the CUDA build runs them (one
+    Triton launch each, here under the interpreter)."""
     w, E, W, roots, h, u, ids, logits = world(seed, **kw)
     ref = build_weaver_trees(w, roots.tolist(), h, u, ids, logits, budget, embed_weight=E, lm_head_weight=W,
                              expand=expand, width=width)
     B, L, K = ids.shape
     builder = StaticWeaverTreeBuilder(w, E, W, budget, K=K, L=L, batch=B, expand=expand, width=width, rounds=rounds)
-    builder.fused_place = fused
+    builder.fused_frontier = fused
     return builder, builder.build(roots, h, u, ids, logits), ref
 
 
@@ -100,11 +100,11 @@ def test_equals_reference(budget, expand, width, K, L, lookahead, B, dtype, vari
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("budget,expand,width,K,L,lookahead,B,dtype", CASES)
-def test_the_fused_placement_step_builds_the_same_trees(budget, expand, width, K, L, lookahead, B, dtype):
+def test_the_fused_frontier_steps_build_the_same_trees(budget, expand, width, K, L, lookahead, B, dtype):
     for variant in ("plain", "ties", "invalid"):
         builder, out, ref = build_both(0, budget, expand, width, fused=True, dtype=dtype, B=B, L=L, K=K,
                                        lookahead=lookahead, ties=variant == "ties", invalid=variant == "invalid")
-        assert builder.fused_place
+        assert builder.fused_frontier
         assert_same(out, ref, TOL[dtype])
         assert not out.truncated.any()
 

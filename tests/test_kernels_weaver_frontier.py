@@ -1,12 +1,13 @@
-"""The Weaver build's placement step in one Triton launch against its torch reference (tfm_kernels.weaver_frontier):
-every buffer it writes equal, on random frontiers with ties, invalid entries, a budget that runs out, and the last
-round (nothing expands); CPU runs use the Triton interpreter."""
+"""The Weaver build's frontier steps in one Triton launch each against their torch references
+(tfm_kernels.weaver_frontier): every buffer they write equal. place: random frontiers with ties, invalid entries, a
+budget that runs out, and the last round (nothing expands); push: log q with -inf and NaN, slots that do not expand,
+a step narrower than the frontier's width (the root's). CPU runs use the Triton interpreter."""
 import math
 
 import pytest
 import torch
 
-from tfm_kernels.weaver_frontier import place, place_ref
+from tfm_kernels.weaver_frontier import place, place_ref, push, push_ref
 
 
 def buffers(seed, B, N, W, E, R, filled):
@@ -53,6 +54,41 @@ def test_gpu_place_equals_the_reference(N, W, E, R):
     check(N, W, E, R, "cuda")
 
 
+def push_case(seed, B, N, Wd, W, E, K, device):
+    g = torch.Generator().manual_seed(seed)
+    M = N + Wd * E
+    front_int, front_flt = torch.randint(0, 9, (B, M, 3), generator=g), torch.randn(B, M, 2, generator=g).double()
+    values = torch.randn(B, W, E, generator=g).log_softmax(-1)
+    values[torch.rand(B, W, E, generator=g) < 0.2] = -math.inf
+    values[0, 0, -1] = math.nan
+    indices = torch.randint(0, K, (B, W, E), generator=g)
+    ids = torch.randint(0, 1000, (B, W, K), generator=g)
+    dep, score = torch.randint(0, 6, (B, W), generator=g), -torch.rand(B, W, generator=g).double() * 5
+    active = torch.rand(B, W, generator=g) < 0.7
+    bufs = [front_int, front_flt, values, indices, ids, dep, active, score]
+    return bufs, [t.clone().to(device) for t in bufs]
+
+
+def check_push(device):
+    for seed, (N, Wd, W, E, K) in enumerate([(16, 1, 1, 8, 12), (64, 4, 4, 8, 512), (64, 4, 1, 8, 16),
+                                             (7, 3, 2, 2, 3), (1, 1, 1, 1, 1)]):
+        a, b = push_case(seed, 3, N, Wd, W, E, K, device)
+        push_ref(*a, s0=5, budget=N)
+        push(*b, s0=5, budget=N)
+        for x, y in zip(a[:2], b[:2]):
+            assert torch.equal(x.isnan(), y.isnan().cpu()) and torch.equal(x.nan_to_num(), y.nan_to_num().cpu())
+
+
+@pytest.mark.interpreter
+def test_push_equals_the_reference():
+    check_push("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_push_equals_the_reference():
+    check_push("cuda")
+
+
 @pytest.mark.interpreter
 def test_bad_buffers():
     bufs = buffers(0, 3, 8, 2, 4, 4, 1)
@@ -61,3 +97,6 @@ def test_bad_buffers():
     bufs[7] = bufs[7].transpose(1, 2)
     with pytest.raises(ValueError, match="place expects"):
         place(*bufs, s0=1, budget=8, lookahead=5, expand=True)                          # not contiguous
+    bufs, _ = push_case(0, 2, 8, 2, 3, 4, 5, "cpu")                                    # 3 slots, room for 2
+    with pytest.raises(ValueError, match="push expects"):
+        push(*bufs, s0=1, budget=8)

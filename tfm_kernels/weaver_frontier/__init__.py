@@ -1,4 +1,4 @@
-from tfm_kernels.weaver_frontier.ref import place_ref
-from tfm_kernels.weaver_frontier.triton import place
+from tfm_kernels.weaver_frontier.ref import place_ref, push_ref
+from tfm_kernels.weaver_frontier.triton import place, push
 
-__all__ = ["place", "place_ref"]
+__all__ = ["place", "place_ref", "push", "push_ref"]

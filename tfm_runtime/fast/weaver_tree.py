@@ -71,7 +71,8 @@ from dataclasses import dataclass
 import torch
 
 from tfm_kernels.weaver_frontier import place as fused_place
-from tfm_kernels.weaver_frontier import place_ref
+from tfm_kernels.weaver_frontier import place_ref, push_ref
+from tfm_kernels.weaver_frontier import push as fused_push
 from tfm_runtime.models.weaver import Weaver, WeaverState
 from tfm_runtime.tree import Tree
 
@@ -160,10 +161,9 @@ class StaticWeaverTreeBuilder:
         self.num_nodes = torch.zeros(B, **long)                                 # [B]
         self.truncated = torch.zeros(B, device=dev, dtype=torch.bool)           # [B]
         # constants
-        self.ar_width = torch.arange(Wd, **long)                                # [Wd]
         self.placed_out = (torch.zeros(B, Wd, **long), torch.zeros(B, Wd, **long),
                            torch.zeros(B, Wd, **f64), torch.zeros(B, Wd, device=dev, dtype=torch.bool))
-        self.fused_place = dev.type == "cuda"                   # the placement step in one Triton launch
+        self.fused_frontier = dev.type == "cuda"                # the frontier steps in one Triton launch each
         self.root_depth = torch.zeros(B, 1, **long)                             # [B, 1]
         self.root_active = torch.ones(B, 1, device=dev, dtype=torch.bool)       # [B, 1]
         self.root_score = torch.zeros(B, 1, **f64)                              # [B, 1]
@@ -281,29 +281,19 @@ class StaticWeaverTreeBuilder:
         ids = cand_ids.gather(1, row)                                          # [B, W, K]
         logits = cand_logits.gather(1, row)                                    # [B, W, K]
         top = self.weaver.score(h, ids, logits, self.lm_head_weight).topk(E, dim=-1)   # [B, W, E]
-        logq = top.values.to(torch.float64)                                    # [B, W, E]
-        valid = active[..., None] & (logq > -math.inf)                         # [B, W, E] (NaN: invalid)
-        child_score = torch.where(valid, score[..., None] + logq, -math.inf)   # [B, W, E]
-        n = W * E
-        ints = self.front_int[:, N: N + n].view(B, W, E, 3)                    # [B, W, E, 3]
-        ints[..., 0] = (s0 + self.ar_width[:W])[:, None]                      # parent slot
-        ints[..., 1] = ids.gather(-1, top.indices)                             # token
-        ints[..., 2] = (dep + 1)[..., None]                                    # depth
-        flts = self.front_flt[:, N: N + n].view(B, W, E, 2)                    # [B, W, E, 2]
-        flts[..., 0] = child_score
-        flts[..., 1] = logq
-        self.front_flt[:, N + n:, 0] = -math.inf                               # rows no slot of this step fills
+        push = fused_push if self.fused_frontier else push_ref
+        push(self.front_int, self.front_flt, top.values, top.indices, ids, dep, active, score, s0, N)
 
     def _place(self, s0: int, expand: bool):
         """Rank the frontier (a stable sort by score, descending), place the first `width` entries into slots
         s0 .. s0+Wd-1, keep the next `budget`; when `expand`, write the slots' rows of `visible` (a slot sees its
         parent's ancestors and the parent; a slot that does not expand sees nothing). One launch of
-        `tfm_kernels.weaver_frontier` on CUDA, its torch reference elsewhere.
+        `tfm_kernels.weaver_frontier` on CUDA (as `_push`), its torch reference elsewhere.
 
         Returns the slots' token and depth [B, Wd] long (0, padding, where the slot does not expand), score [B, Wd]
         f64 and active [B, Wd] bool (placed at a depth that still has a candidate row: it expands next step)."""
         torch.sort(self.front_flt[:, :, 0], dim=1, descending=True, stable=True, out=(self.ranked, self.perm))
-        place = fused_place if self.fused_place else place_ref
+        place = fused_place if self.fused_frontier else place_ref
         place(self.front_int, self.front_flt, self.perm, self.slot_int, self.slot_flt, self.slot_placed, self.count,
               self.visible, self.placed_out, s0, self.budget, self.L, expand)
         return self.placed_out

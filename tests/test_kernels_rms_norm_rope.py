@@ -38,6 +38,32 @@ def test_rms_norm_matches_float64_and_the_module(shape, bias):
             want = RMSNorm.forward(mod, x)            # the torch path (the module picks the kernel only on CUDA)
         # the same roundings in the same order; only the fp32 sum of squares may differ in its last bit
         torch.testing.assert_close(y, want, rtol=0, atol=2 * torch.finfo(dtype).eps * float(want.abs().max()))
+        if dtype == torch.float16:
+            assert (y != want).float().mean() < 1e-3
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", [(1, 576), (3, 5, 24), (2, 1000)])
+def test_rms_norm_matches_the_fast_targets_norms(shape, monkeypatch):
+    """The dense targets' norm (`fast.dense.rms_norm`, Llama / Qwen3) and Qwen3.5's (`fast.hybrid.rms_norm_1p`, one
+    rounding of x / rms * (1 + w)), forced through the kernel as they run on CUDA, against their torch ops."""
+    import tfm_runtime.fast.dense as dense
+    import tfm_runtime.fast.hybrid as hybrid
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
+        x, w, _ = _rms_case(shape, dtype, "cpu", False)
+        atol = 2 * torch.finfo(dtype).eps * 8
+        want_dense, want_1p = dense.rms_norm(x, w, 1e-6), hybrid.rms_norm_1p(x, w, 1e-6)
+        assert _rel(rms_norm(x, w, None, 1e-6, one_plus=True), rms_norm_ref(x, w, None, 1e-6, one_plus=True)) < tol
+        monkeypatch.setattr(dense, "inference_kernel_ok", lambda *a: True)
+        monkeypatch.setattr(hybrid, "inference_kernel_ok", lambda *a: True)
+        got_dense, got_1p = dense.rms_norm(x, w, 1e-6), hybrid.rms_norm_1p(x, w, 1e-6)
+        monkeypatch.undo()
+        torch.testing.assert_close(got_dense, want_dense, rtol=0, atol=atol * float(want_dense.abs().max()))
+        torch.testing.assert_close(got_1p, want_1p, rtol=0, atol=atol * float(want_1p.abs().max()))
+        if dtype == torch.float16:                    # the roundings: fp16 outputs equal but where the fp32 sums
+            for got, want in ((got_dense, want_dense), (got_1p, want_1p)):        # straddle a rounding boundary
+                assert (got != want).float().mean() < 1e-3
+        assert not torch.equal(got_dense, got_1p)                     # the two modes differ (1 + w)
 
 
 def _rope_case(B, T, nh, hd, dtype, device, per_row):

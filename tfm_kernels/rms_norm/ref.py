@@ -3,8 +3,9 @@ import torch
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 eps: float = 1e-6) -> torch.Tensor:
-    """x [..., D], weight [D], bias [D] or None -> x / sqrt(mean(x^2) + eps) * weight (+ bias) [..., D], float64."""
+                 eps: float = 1e-6, one_plus: bool = False) -> torch.Tensor:
+    """x [..., D], weight [D], bias [D] or None -> x / sqrt(mean(x^2) + eps) * weight (+ bias) [..., D], float64;
+    one_plus: * (1 + weight)."""
     x = x.double()
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight.double() + (1.0 if one_plus else 0.0))
     return y + bias.double() if bias is not None else y

@@ -1,10 +1,12 @@
-"""RMSNorm forward in one launch (Triton): y = round(weight * round(x / rms(x))) (+ bias, rounded), one row per
-program, math in fp32.
+"""RMSNorm forward in one launch (Triton): y = round(weight * round(x / rms(x))) (+ bias, rounded), or with
+`one_plus` y = round(x / rms(x) * (1 + weight)); one row per program, math in fp32.
 
-The roundings are those of `tfm_runtime.models.common.RMSNorm` (normalise in fp32, round to x's dtype, multiply by
-the weight and round, add the bias and round), so the two differ only in the order of the fp32 sum of squares. The
-torch module spends seven or eight launches on it; the Weaver's tree build runs eight norms per step in sixteen
-sequential steps, where launches are most of the time. Forward only: training keeps the module's autograd path.
+The roundings are those of `tfm_runtime.models.common.RMSNorm` and `tfm_runtime.fast.dense.rms_norm` (normalise in
+fp32, round to x's dtype, multiply by the weight and round, add the bias and round), or of
+`tfm_runtime.fast.hybrid.rms_norm_1p` (one rounding), so they differ only in the order of the fp32 sum of squares.
+Torch spends six to eight launches on each; the fast targets run two to four norms per layer and the Weaver's tree
+build eight per step in sixteen sequential steps, where launches are most of the time. Forward only: training keeps
+the module's autograd path.
 """
 import torch
 import triton
@@ -12,26 +14,33 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x, w, b, y, D, eps, HAS_BIAS: tl.constexpr, BD: tl.constexpr):
-    """Row `program_id(0)` of x [N, D] -> y [N, D] (both row-major); w, b [D]; BD = next power of 2 >= D."""
+def rms_norm_fwd_kernel(x, w, b, y, D, eps, HAS_BIAS: tl.constexpr, ONE_PLUS: tl.constexpr, BD: tl.constexpr):
+    """Row `program_id(0)` of x [N, D] -> y [N, D] (both row-major); w, b [D]; BD = next power of 2 >= D.
+    ONE_PLUS: y = round(x / rms(x) * (1 + w)), one rounding (Qwen3.5's norm); else the module's roundings."""
     row = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BD)
     m = o < D
     xr = tl.load(x + row * D + o, mask=m, other=0.).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xr * xr, axis=0) / D + eps)
-    n = (xr * inv).to(y.dtype.element_ty).to(tl.float32)                 # normalised, rounded to x's dtype
-    out = (n * tl.load(w + o, mask=m, other=0.).to(tl.float32)).to(y.dtype.element_ty)
+    n = xr * tl.rsqrt(tl.sum(xr * xr, axis=0) / D + eps)
+    wr = tl.load(w + o, mask=m, other=0.).to(tl.float32)
+    if ONE_PLUS:
+        out = (n * (1.0 + wr)).to(y.dtype.element_ty)
+    else:
+        out = (n.to(y.dtype.element_ty).to(tl.float32) * wr).to(y.dtype.element_ty)   # normalised, rounded, weighted
     if HAS_BIAS:
         out = (out.to(tl.float32) + tl.load(b + o, mask=m, other=0.).to(tl.float32)).to(y.dtype.element_ty)
     tl.store(y + row * D + o, out, mask=m)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-6,
+             one_plus: bool = False) -> torch.Tensor:
     """RMSNorm of the last dim, forward only (no autograd).
 
     Args:
         x: [..., D] fp16 / bf16 / fp32 on a Triton device, D <= 16384.
         weight, bias: [D] of x's dtype (bias may be None).
+        one_plus: scale by (1 + weight) in fp32 and round once (Qwen3-Next / Qwen3.5) instead of rounding the
+            normalised x before the weight (Llama, Qwen3, the drafters).
     Returns:
         y: [..., D] of x's dtype, contiguous.
     """
@@ -49,5 +58,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     if x2.shape[0]:
         BD = triton.next_power_of_2(D)
         rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), bias if bias is not None else weight, y, D, eps,
-                                            HAS_BIAS=bias is not None, BD=BD, num_warps=4 if BD <= 2048 else 8)
+                                            HAS_BIAS=bias is not None, ONE_PLUS=one_plus, BD=BD,
+                                            num_warps=4 if BD <= 2048 else 8)
     return y.view(x.shape)

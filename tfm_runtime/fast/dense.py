@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
+from tfm_runtime.models.common import inference_kernel_ok
+
 FAMILIES = ("llama", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -145,7 +148,10 @@ class DenseOutput:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., C] -> weight * x / rms(x), the mean of squares taken in fp32 (as Hugging Face does)."""
+    """x [..., C] -> weight * x / rms(x), the mean of squares taken in fp32 (as Hugging Face does); on CUDA one launch
+    of `tfm_kernels.rms_norm` with the same roundings."""
+    if inference_kernel_ok(x, weight):
+        return fused_rms_norm(x, weight, None, eps)
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 

@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
 from tfm_runtime.fast.dense import DenseModel, DenseOutput, checked_weight, rotate
+from tfm_runtime.models.common import inference_kernel_ok
 from tfm_runtime.models.gdn_tree_torch import tree_recurrence
 
 FAMILIES = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5"}       # model_type -> family
@@ -141,7 +143,10 @@ def _check_type(kind) -> None:
 
 
 def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., C] -> x / rms(x) * (1 + weight), in fp32, cast back (Qwen3-Next / Qwen3.5 RMSNorm)."""
+    """x [..., C] -> x / rms(x) * (1 + weight), in fp32, cast back (Qwen3-Next / Qwen3.5 RMSNorm); on CUDA one launch
+    of `tfm_kernels.rms_norm` with the same rounding."""
+    if inference_kernel_ok(x, weight):
+        return fused_rms_norm(x, weight, None, eps, one_plus=True)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
 

@@ -46,7 +46,8 @@ def test_rms_norm_matches_float64_and_the_module(shape, bias):
 @pytest.mark.parametrize("shape", [(1, 576), (3, 5, 24), (2, 1000)])
 def test_rms_norm_matches_the_fast_targets_norms(shape, monkeypatch):
     """The dense targets' norm (`fast.dense.rms_norm`, Llama / Qwen3) and Qwen3.5's (`fast.hybrid.rms_norm_1p`, one
-    rounding of x / rms * (1 + w)), forced through the kernel as they run on CUDA, against their torch ops."""
+    rounding of x / rms * (1 + w); `gated_rms_norm`, the GDN output norm), forced through the kernel as they run on
+    CUDA, against their torch ops."""
     import tfm_runtime.fast.dense as dense
     import tfm_runtime.fast.hybrid as hybrid
     for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
@@ -57,11 +58,16 @@ def test_rms_norm_matches_the_fast_targets_norms(shape, monkeypatch):
         monkeypatch.setattr(dense, "inference_kernel_ok", lambda *a: True)
         monkeypatch.setattr(hybrid, "inference_kernel_ok", lambda *a: True)
         got_dense, got_1p = dense.rms_norm(x, w, 1e-6), hybrid.rms_norm_1p(x, w, 1e-6)
+        got_gated = hybrid.gated_rms_norm(x, 2 * x.flip(-1), w, 1e-6)
         monkeypatch.undo()
+        want_gated = hybrid.gated_rms_norm(x, 2 * x.flip(-1), w, 1e-6)
+        assert _rel(got_gated, rms_norm_ref(x, w, None, 1e-6, gate=2 * x.flip(-1))) < tol
+        torch.testing.assert_close(got_gated, want_gated, rtol=0, atol=atol * float(want_gated.abs().max()))
         torch.testing.assert_close(got_dense, want_dense, rtol=0, atol=atol * float(want_dense.abs().max()))
         torch.testing.assert_close(got_1p, want_1p, rtol=0, atol=atol * float(want_1p.abs().max()))
         if dtype == torch.float16:                    # the roundings: fp16 outputs equal but where the fp32 sums
-            for got, want in ((got_dense, want_dense), (got_1p, want_1p)):        # straddle a rounding boundary
+            for got, want in ((got_dense, want_dense), (got_1p, want_1p), (got_gated, want_gated)):   # straddle a
+                assert (got != want).float().mean() < 1e-3                                         # boundary
                 assert (got != want).float().mean() < 1e-3
         assert not torch.equal(got_dense, got_1p)                     # the two modes differ (1 + w)
 
@@ -95,6 +101,8 @@ def test_bad_inputs():
     for args in ((x.double(), w.double(), None), (x, w[:4], b), (x, w, b.half()), (x[:, :0], w[:0], None)):
         with pytest.raises(ValueError, match="rms_norm expects"):
             rms_norm(*args)
+    with pytest.raises(ValueError, match="rms_norm expects gate"):
+        rms_norm(x, w, None, gate=x[:, :4])
     qkv, cos, sin = _rope_case(2, 4, 2, 8, torch.float32, "cpu", True)
     for args in ((qkv[:, :, :2], cos, sin), (qkv[..., :7], cos[..., :7], sin[..., :7]), (qkv, cos[:1], sin),
                  (qkv, cos.half(), sin), (qkv.double(), cos.double(), sin.double())):

@@ -1,9 +1,10 @@
 """RMSNorm forward in one launch (Triton): y = round(weight * round(x / rms(x))) (+ bias, rounded), or with
-`one_plus` y = round(x / rms(x) * (1 + weight)); one row per program, math in fp32.
+`one_plus` y = round(x / rms(x) * (1 + weight)), then with `gate` round(y * silu(gate)); one row per program, math
+in fp32.
 
 The roundings are those of `tfm_runtime.models.common.RMSNorm` and `tfm_runtime.fast.dense.rms_norm` (normalise in
 fp32, round to x's dtype, multiply by the weight and round, add the bias and round), or of
-`tfm_runtime.fast.hybrid.rms_norm_1p` (one rounding), so they differ only in the order of the fp32 sum of squares.
+`tfm_runtime.fast.hybrid.rms_norm_1p` (one rounding) and `gated_rms_norm`, so they differ only in the order of the fp32 sum of squares.
 Torch spends six to eight launches on each; the fast targets run two to four norms per layer and the Weaver's tree
 build eight per step in sixteen sequential steps, where launches are most of the time. Forward only: training keeps
 the module's autograd path.
@@ -14,9 +15,11 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x, w, b, y, D, eps, HAS_BIAS: tl.constexpr, ONE_PLUS: tl.constexpr, BD: tl.constexpr):
-    """Row `program_id(0)` of x [N, D] -> y [N, D] (both row-major); w, b [D]; BD = next power of 2 >= D.
-    ONE_PLUS: y = round(x / rms(x) * (1 + w)), one rounding (Qwen3.5's norm); else the module's roundings."""
+def rms_norm_fwd_kernel(x, w, b, z, y, D, eps, HAS_BIAS: tl.constexpr, ONE_PLUS: tl.constexpr,
+                        HAS_GATE: tl.constexpr, BD: tl.constexpr):
+    """Row `program_id(0)` of x [N, D] -> y [N, D] (x, z, y row-major); w, b [D]; BD = next power of 2 >= D.
+    ONE_PLUS: y = round(x / rms(x) * (1 + w)), one rounding (Qwen3.5's norm); else the module's roundings.
+    HAS_GATE: then y = round(y * silu(z)), silu in fp32 (the GDN output norm)."""
     row = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BD)
     m = o < D
@@ -29,11 +32,14 @@ def rms_norm_fwd_kernel(x, w, b, y, D, eps, HAS_BIAS: tl.constexpr, ONE_PLUS: tl
         out = (n.to(y.dtype.element_ty).to(tl.float32) * wr).to(y.dtype.element_ty)   # normalised, rounded, weighted
     if HAS_BIAS:
         out = (out.to(tl.float32) + tl.load(b + o, mask=m, other=0.).to(tl.float32)).to(y.dtype.element_ty)
+    if HAS_GATE:
+        zr = tl.load(z + row * D + o, mask=m, other=0.).to(tl.float32)
+        out = (out.to(tl.float32) * (zr / (1.0 + tl.exp(-zr)))).to(y.dtype.element_ty)
     tl.store(y + row * D + o, out, mask=m)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-6,
-             one_plus: bool = False) -> torch.Tensor:
+             one_plus: bool = False, gate: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of the last dim, forward only (no autograd).
 
     Args:
@@ -41,6 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         weight, bias: [D] of x's dtype (bias may be None).
         one_plus: scale by (1 + weight) in fp32 and round once (Qwen3-Next / Qwen3.5) instead of rounding the
             normalised x before the weight (Llama, Qwen3, the drafters).
+        gate: [..., D] like x, or None: then y * silu(gate) in fp32, rounded (Qwen3.5's gated GDN output norm).
     Returns:
         y: [..., D] of x's dtype, contiguous.
     """
@@ -53,11 +60,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         if p is not None and (tuple(p.shape) != (D,) or p.dtype != x.dtype or p.device != x.device):
             raise ValueError(f"rms_norm expects {name} [{D}] {x.dtype} on {x.device}, "
                              f"got {tuple(p.shape)} {p.dtype} on {p.device}")
+    if gate is not None and (gate.shape != x.shape or gate.dtype != x.dtype or gate.device != x.device):
+        raise ValueError(f"rms_norm expects gate {tuple(x.shape)} {x.dtype} on {x.device}, "
+                         f"got {tuple(gate.shape)} {gate.dtype} on {gate.device}")
     x2 = x.reshape(-1, D).contiguous()
+    z2 = gate.reshape(-1, D).contiguous() if gate is not None else x2
     y = torch.empty_like(x2)
     if x2.shape[0]:
         BD = triton.next_power_of_2(D)
-        rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), bias if bias is not None else weight, y, D, eps,
-                                            HAS_BIAS=bias is not None, ONE_PLUS=one_plus, BD=BD,
+        rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), bias if bias is not None else weight, z2, y, D,
+                                            eps, HAS_BIAS=bias is not None, ONE_PLUS=one_plus,
+                                            HAS_GATE=gate is not None, BD=BD,
                                             num_warps=4 if BD <= 2048 else 8)
     return y.view(x.shape)

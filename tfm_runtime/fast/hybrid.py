@@ -152,7 +152,10 @@ def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """GDN output norm: x, z [..., dv] -> weight * x / rms(x) * silu(z) (HF's RMSNormGated)."""
+    """GDN output norm: x, z [..., dv] -> weight * x / rms(x) * silu(z) (HF's RMSNormGated); on CUDA one launch of
+    `tfm_kernels.rms_norm` with the same roundings."""
+    if inference_kernel_ok(x, z, weight):
+        return fused_rms_norm(x, weight, None, eps, gate=z)
     xf = x.float()
     h = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (h * F.silu(z.float())).to(x.dtype)

@@ -390,17 +390,16 @@ def table(result: dict) -> str:
 
 
 def build_lines(b: dict) -> list[str]:
-    lines = []
-    lines.append(f"weaver tree build (budget {b['budget']}, {b['rounds']} rounds): static eager "
-                 f"{b['static_eager_ms']} ms, captured {b.get('static_captured_ms')} ms (replay "
-                 f"{b.get('static_replay_ms')}), reference {b['reference_ms']} ms, equal {b['equals_reference']}")
+    """The table lines of `tree_build`'s result."""
     f = b["few_rounds"]
-    lines.append(f"  with {f['rounds']} rounds: eager {f['eager_ms']} ms, captured {f.get('captured_ms')} ms, "
-                 f"truncated {f['truncated']}, equal {f['equals_reference']}")
-    lines.append(f"ddtree build (budget {b['budget']}): static eager {b['ddtree_static_eager_ms']} ms, captured "
-                 f"{b.get('ddtree_static_captured_ms')} ms, reference {b['ddtree_reference_ms']} ms, equal "
-                 f"{b['ddtree_equals_reference']}")
-    return lines
+    return [f"weaver tree build (budget {b['budget']}, {b['rounds']} rounds): static eager {b['static_eager_ms']} ms, "
+            f"captured {b.get('static_captured_ms')} ms (replay {b.get('static_replay_ms')}), reference "
+            f"{b['reference_ms']} ms, equal {b['equals_reference']}",
+            f"  with {f['rounds']} rounds: eager {f['eager_ms']} ms, captured {f.get('captured_ms')} ms, "
+            f"truncated {f['truncated']}, equal {f['equals_reference']}",
+            f"ddtree build (budget {b['budget']}): static eager {b['ddtree_static_eager_ms']} ms, captured "
+            f"{b.get('ddtree_static_captured_ms')} ms, reference {b['ddtree_reference_ms']} ms, equal "
+            f"{b['ddtree_equals_reference']}"]
 
 
 def main(argv=None) -> int:

@@ -10,12 +10,12 @@ through the Triton tree kernels). Drafter: DFlash in its published 27B shape (5 
 (captured). Batch 1, a 128-token prompt.
 
 Rows: the AR step (`HybridModel.decode` replayed from a CUDA graph by `GraphedTarget`; `eager_ms` without) against
-the weight-streaming floor of the GPU (`--floor-ms`; 12.66 ms measured on the H200, the default there); per budget 16/32/64/128: the tree verify of
-the Weaver's tree (`verify_ms`) and its ratio to the AR step, the DFlash draft, the Weaver tree build and the commit
-of a 4-node path (verify and the GDN state commit replayed from the graphs of each budget's tree size), each a median
-of `--reps`; the projected tokens/s and speedup over AR with the mean acceptance length of Weaver trees at that
-budget from `--acceptance` (the SmolLM2 figures of benchmarks/results/acceptance.json, T = 0, mean over its
-datasets: a stand-in until a 27B Weaver exists).
+the weight-streaming floor of the GPU (`--floor-ms`; 12.66 ms measured on the H200, the default there); per budget
+16/32/64/128: the tree verify of the Weaver's tree (`verify_ms`) and its ratio to the AR step, the DFlash draft, the
+Weaver tree build and the commit of a 4-node path (verify and the GDN state commit replayed from the graphs of each
+budget's tree size), each a median of `--reps`; the projected tokens/s and speedup over AR with the mean acceptance
+length of Weaver trees at that budget from `--acceptance` (the SmolLM2 figures of benchmarks/results/acceptance.json,
+T = 0, mean over its datasets: a stand-in until a 27B Weaver exists).
 """
 from __future__ import annotations
 

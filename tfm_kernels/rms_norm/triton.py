@@ -4,7 +4,8 @@ in fp32.
 
 The roundings are those of `tfm_runtime.models.common.RMSNorm` and `tfm_runtime.fast.dense.rms_norm` (normalise in
 fp32, round to x's dtype, multiply by the weight and round, add the bias and round), or of
-`tfm_runtime.fast.hybrid.rms_norm_1p` (one rounding) and `gated_rms_norm`, so they differ only in the order of the fp32 sum of squares.
+`tfm_runtime.fast.hybrid.rms_norm_1p` (one rounding) and `gated_rms_norm`, so they differ only in the order of the
+fp32 sum of squares.
 Torch spends six to eight launches on each; the fast targets run two to four norms per layer and the Weaver's tree
 build eight per step in sixteen sequential steps, where launches are most of the time. Forward only: training keeps
 the module's autograd path.

@@ -1,4 +1,5 @@
-"""The placement step of the shape-static Weaver tree build in torch ops: the reference of the fused kernel."""
+"""The frontier steps of the shape-static Weaver tree build (place, push) in torch ops: the references of the fused
+kernels."""
 import math
 
 import torch

@@ -24,12 +24,13 @@ children (E = min(expand, K)). Here every tree runs the same fixed number R of r
 Equal scores go to the earlier push, as in the heap. The frontier's rows are in push order among equal scores: the
 kept entries come first, in rank order (equal scores in push order) and all pushed before the last step's children,
 which follow in the order the reference's heap pushes them, slot w's child j at row N + w * E + j (the heap skips
-the invalid children, which does not change the relative order). So a stable sort breaks ties as the heap does. Scores are float64 sums of the float64 log q of each step, as the
-reference's Python floats. Each node's Weaver step sees the keys the reference's step sees for it (the prefix, its
-ancestors' slots, itself). The reference sizes a step by the row that expands most nodes, so where its step is
-narrower than `width` the same keys sit at other offsets and products of other shapes can round the last bit of
-log q differently (the reference's own log q for a row moves the same way with the other rows of its batch);
-where every reference step is `width` wide, log q is equal bit for bit.
+the invalid children, which does not change the relative order). So a stable sort breaks ties as the heap does.
+Scores are float64 sums of the float64 log q of each step, as the reference's Python floats. Each node's Weaver step
+sees the keys the reference's step sees for it (the prefix, its ancestors' slots, itself). The reference sizes a
+step by the row that expands most nodes, so where its step is narrower than `width` the same keys sit at other
+offsets and products of other shapes can round the last bit of log q differently (the reference's own log q for a
+row moves the same way with the other rows of its batch); where every reference step is `width` wide, log q is equal
+bit for bit.
 
 Why R depends on L as well: the reference places fewer than `width` nodes in a round when its frontier holds fewer
 entries ("short" rounds: expand < width, invalid candidates, nodes at depth L that expand nothing), so its round
@@ -138,7 +139,6 @@ class StaticWeaverTreeBuilder:
         self.first_rounds = min(self.rounds, math.ceil(budget / width))     # R1: the first phase's rounds
         B, N, Wd, E, R = batch, budget, width, self.E, self.rounds
         S, P, M = 1 + (R - 1) * Wd, 1 + R * Wd, N + Wd * E
-        self.slots, self.placements, self.front = S, P, M
         dev, cfg = self.device, weaver.cfg
         long = dict(device=dev, dtype=torch.long)
         f64 = dict(device=dev, dtype=torch.float64)
@@ -244,8 +244,7 @@ class StaticWeaverTreeBuilder:
 
     def _start(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """Reset the buffers, then the root step."""
-        B, N, L = self.batch, self.budget, self.L
-        self.state.reset(self.weaver.prefix(h_final, dflash_hidden[:, :L]))
+        self.state.reset(self.weaver.prefix(h_final, dflash_hidden[:, :self.L]))
         self.visible[:, 0].zero_()                                             # the root sees no node slot
         self.front_flt[:, :, 0].fill_(-math.inf)                               # empty frontier
         self.slot_int[:, 0, 0].fill_(-1)
@@ -260,10 +259,10 @@ class StaticWeaverTreeBuilder:
 
     def _rounds(self, first: int, last: int, cand_ids, cand_logits) -> None:
         """Rounds first..last (each a fixed op sequence), then finish: node rows and `truncated`."""
-        B, Wd, R = self.batch, self.width, self.rounds
+        Wd, R = self.width, self.rounds
         for r in range(first, last + 1):
             s0 = 1 + (r - 1) * Wd                                              # first placement slot of round r
-            tok, dep, score, active = self._place(s0, expand=r < R)          # [B, Wd] each
+            tok, dep, score, active = self._place(s0, expand=r < R)            # [B, Wd] each
             if r < R:
                 rows = self.visible[:, s0: s0 + Wd, :s0]                       # [B, Wd, s0] the slots' ancestors
                 h = self.weaver.step(self.state, tok, dep, rows, self.embed_weight)   # [B, Wd, r]

@@ -232,7 +232,7 @@ class Weaver(nn.Module):
         self.blocks = nn.ModuleList(WeaverBlock(cfg) for _ in range(cfg.num_layers))
         self.out_norm = RMSNorm(cfg.d_rank, cfg.rms_eps)
         self.lm_head_query_in = nn.Linear(cfg.d_rank, cfg.d_model, bias=False)
-        self._rope_tables: dict = {}                      # (device, dtype) -> the cos, sin of node positions
+        self._rope_tables: dict = {}                      # (device, dtype) -> cos, sin by node depth
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -241,13 +241,14 @@ class Weaver(nn.Module):
         return rope_cos_sin(pos, self.cfg.d_rank // self.cfg.num_heads, self.cfg.rope_base, dtype)
 
     def _node_rope(self, depths: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, W, hd] at positions depths + 1 (depths [B, W] in 0..lookahead), gathered from a table made
-        once per device and dtype: the same values as `_rope`, two launches instead of ten per step."""
+        """cos, sin [B, W, hd] at positions depths + 1 (depths [B, W] in 0..lookahead), gathered from a table by depth
+        made once per device and dtype: the same values as `_rope`, two launches instead of ten per step."""
         key = (depths.device, dtype)
         if key not in self._rope_tables:
-            self._rope_tables[key] = self._rope(torch.arange(self.cfg.lookahead + 2, device=depths.device), dtype)
-        cos, sin = self._rope_tables[key]                                                  # [lookahead+2, hd]
-        return cos[depths + 1], sin[depths + 1]
+            pos = torch.arange(1, self.cfg.lookahead + 2, device=depths.device)            # depth d at position d + 1
+            self._rope_tables[key] = self._rope(pos, dtype)                                # [lookahead+1, hd] each
+        cos, sin = self._rope_tables[key]
+        return cos[depths], sin[depths]
 
     # ---- inference: prefix once per round, then batched node steps ----------------------------------
     def prefix(self, h_final: torch.Tensor, u: torch.Tensor) -> WeaverState:

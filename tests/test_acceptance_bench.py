@@ -8,8 +8,8 @@ import pytest
 
 from benchmarks.runtime import acceptance
 
-ARGS = ["--world", "tiny", "--limit", "2", "--budgets", "8", "--max-new-tokens", "8", "--t1-prompts", "0",
-        "--no-progress"]
+BASE = ["--world", "tiny", "--limit", "2", "--budgets", "8", "--max-new-tokens", "8", "--no-progress"]
+ARGS = BASE + ["--no-t1"]
 
 
 @pytest.fixture
@@ -49,13 +49,22 @@ def test_a_resumed_run_keeps_finished_phases_and_runs_the_rest(prompts_dir, tmp_
     assert {r["dataset"] for r in second["rows"][len(mt):]} == {"sharegpt"}
     assert "| sharegpt | 0 |" in capsys.readouterr().out
 
-    acceptance.main(ARGS + ["--prompts-dir", prompts_dir, "--datasets", "mtbench", "--check-prompts", "1",
+    second["finished"].append(["t1", "mtbench"])              # a T = 1 phase of an earlier version: its decoded
+    second["rows"].append({**second["rows"][0], "temperature": 1.0, "verification": "target_only",  # rows are
+                           "method": "fast_decoder"})                                              # not kept
+    with open(out, "w") as f:
+        json.dump(second, f)
+    acceptance.main(BASE + ["--prompts-dir", prompts_dir, "--datasets", "mtbench", "--check-prompts", "1",
                             "--t1-prompts", "1", "--out", out, "--resume"])              # only T = 1 is left to run
     third = json.load(open(out))
-    assert third["rows"][:len(second["rows"])] == second["rows"] and third["finished"][-1] == ["t1", "mtbench"]
-    t1 = [(r["proposal"], r["verification"], r["prompts"]) for r in third["rows"][len(second["rows"]):]]
-    assert t1 == [("chain", "target_only", 1), ("ddtree", "target_only", 1), ("weaver", "target_only", 1),
-                  ("weaver", "traversal", 1)]
+    assert third["rows"][:len(second["rows"]) - 1] == second["rows"][:-1]
+    assert third["finished"][-3:] == [["t1_walk", "mtbench"], ["check_t1", "mtbench"], ["t1_traversal", "mtbench"]]
+    assert ["t1", "mtbench"] not in third["finished"]
+    t1 = [(r["proposal"], r["verification"], r["method"], r["prompts"]) for r in third["rows"][len(second["rows"]) - 1:]]
+    assert t1 == [("chain", "target_only", "trajectory", 2), ("ddtree", "target_only", "trajectory", 2),
+                  ("weaver", "target_only", "trajectory", 2), ("weaver", "traversal", "decoder", 1)]
+    assert third["crosscheck_t1"] == {"mtbench": {"requests_x_configs": 3, "identical": 3}}
+    assert sorted(third["candidate_hit_rate_by_depth_t1"]) == ["mtbench"]
 
 
 def test_bad_resumes_are_refused(prompts_dir, tmp_path):
@@ -87,20 +96,19 @@ def test_t1_rows_of_the_fast_decoder_equal_the_reference_decoders(prompts_dir, t
     rows = {}
     for dec in ("reference", "fast"):
         out = str(tmp_path / f"{dec}.json")
-        acceptance.main(ARGS[:-3] + ["--t1-prompts", "2", "--max-new-tokens", "12", "--prompts-dir", prompts_dir,
-                                     "--datasets", "mtbench", "--check-prompts", "0", "--t1-decoder", dec,
-                                     "--no-progress", "--out", out])
-        rows[dec] = [r for r in json.load(open(out))["rows"] if r["temperature"] == 1.0]
-    assert {r["method"] for r in rows["fast"]} == {"fast_decoder"} and len(rows["fast"]) == 4
+        acceptance.main(BASE + ["--t1-prompts", "2", "--max-new-tokens", "12", "--prompts-dir", prompts_dir,
+                                "--datasets", "mtbench", "--check-prompts", "0", "--t1-decoder", dec, "--out", out])
+        rows[dec] = [r for r in json.load(open(out))["rows"] if r["verification"] == "traversal"]
+    assert {r["method"] for r in rows["fast"]} == {"fast_decoder"} and len(rows["fast"]) == 1
     strip = lambda rs: [{k: v for k, v in r.items() if k != "method"} for r in rs]  # noqa: E731
     assert strip(rows["fast"]) == strip(rows["reference"])
 
 
 def test_a_t1_phase_stopped_part_way_resumes_after_its_last_row(prompts_dir, tmp_path, monkeypatch):
-    """Each T = 1 row is saved as it comes; a resumed run keeps those rows (and the hand-written notes) and runs the
-    rest: the rows equal those of a run never stopped."""
-    args = ARGS[:-3] + ["--t1-prompts", "1", "--prompts-dir", prompts_dir, "--datasets", "mtbench",
-                        "--check-prompts", "0", "--no-progress"]
+    """Each decoded (traversal) T = 1 row is saved as it comes; a resumed run keeps those rows (and the hand-written
+    notes) and runs the rest: the rows equal those of a run never stopped."""
+    args = BASE + ["--t1-prompts", "1", "--prompts-dir", prompts_dir, "--datasets", "mtbench", "--check-prompts", "0",
+                   "--budgets", "8", "12", "16"]
     whole = str(tmp_path / "whole.json")
     acceptance.main(args + ["--out", whole])
     out = str(tmp_path / "stopped.json")
@@ -109,14 +117,14 @@ def test_a_t1_phase_stopped_part_way_resumes_after_its_last_row(prompts_dir, tmp
     def stop_after_two_t1_rows(path, result):
         write(path, result)
         calls.append(1)
-        if len(calls) == 3:                                   # t0 phase, then two T = 1 rows
+        if len(calls) == 4:                                   # t0 and T = 1 walk phases, two traversal rows
             raise KeyboardInterrupt
     monkeypatch.setattr(acceptance, "write_results", stop_after_two_t1_rows)
     with pytest.raises(KeyboardInterrupt):
         acceptance.main(args + ["--out", out])
     monkeypatch.undo()
     stopped = json.load(open(out))
-    assert stopped["finished"] == [["t0", "mtbench"]] and len(stopped["t1_partial"]) == 2
+    assert stopped["finished"] == [["t0", "mtbench"], ["t1_walk", "mtbench"]] and len(stopped["t1_partial"]) == 2
     stopped["rows"][-1]["acceptance_length"] = 99.0           # a kept row is taken as written, not recomputed
     stopped["notes"] = {"why": "kept"}
     with open(out, "w") as f:
@@ -126,7 +134,7 @@ def test_a_t1_phase_stopped_part_way_resumes_after_its_last_row(prompts_dir, tmp
     assert resumed["finished"] == straight["finished"] and resumed["t1_partial"] == []
     assert resumed["notes"] == {"why": "kept"}
     assert len(resumed["rows"]) == len(straight["rows"])
-    t1 = lambda d: [r for r in d["rows"] if r["temperature"] == 1.0]  # noqa: E731
+    t1 = lambda d: [r for r in d["rows"] if r["verification"] == "traversal"]  # noqa: E731
     assert t1(resumed)[1]["acceptance_length"] == 99.0
     t1(resumed)[1]["acceptance_length"] = t1(straight)[1]["acceptance_length"]
     assert t1(resumed) == t1(straight)

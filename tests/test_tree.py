@@ -148,3 +148,16 @@ def test_build_ddtree_corner_cases():
     assert set(t.tokens[1:].tolist()) == {0, 1, 2} and 1 not in t.tokens[t.depths == 1].tolist()
     with pytest.raises(ValueError, match="budget must be >= 0"):
         build_ddtree(4, logits, -2)
+
+
+def test_top_k_stable_equals_the_first_k_of_a_stable_sort():
+    """The DDTree's candidate ranks: equal to a full stable descending sort cut at k, on rows full of ties (values
+    on a coarse grid), with -inf entries, and for k at and beyond the row length."""
+    from tfm_runtime.tree import top_k_stable
+    g = torch.Generator().manual_seed(0)
+    for L, V, k in [(3, 50, 1), (4, 50, 7), (2, 9, 9), (2, 9, 20), (5, 300, 40)]:
+        x = torch.randint(0, 6, (L, V), generator=g).double()                        # many ties
+        x[x == 0] = float("-inf")
+        want_v, want_i = x.sort(dim=-1, descending=True, stable=True)
+        v, i = top_k_stable(x, k)
+        assert i == want_i[:, :k].tolist() and v == want_v[:, :k].tolist(), (L, V, k)

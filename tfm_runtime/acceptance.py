@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tfm_runtime.engine import SpeculativeDecoder
+from tfm_runtime.sampling import filter_probs, sample
 from tfm_runtime.tree import Tree
 
 
@@ -69,30 +70,47 @@ def rows_to_json(rows: list[AcceptanceRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-# ---- T = 0 along the target's greedy trajectory --------------------------------------------------------------
-# Greedy decoding is lossless, so every proposal follows the same tokens: the target's greedy continuation. The
-# decoder's step from a committed root y_j accepts the longest tree path matching y_{j+1}, y_{j+2}, ... plus a
+# ---- Acceptance along one sample of the target's own continuation -----------------------------------------------
+# Greedy decoding is lossless, so at T = 0 every proposal follows the same tokens: the target's greedy continuation.
+# The decoder's step from a committed root y_j accepts the longest tree path matching y_{j+1}, y_{j+2}, ... plus a
 # bonus, then continues from the next root. Walking that trajectory with every position's features taken from one
 # teacher-forced target pass gives the decoder's acceptance without running it (`crosscheck` compares the two).
+# At T > 0 under target-only verification the same holds in distribution: every accepted or bonus token is the
+# target's own sample at its prefix, so the decoder's output is a target sample path and its per-step acceptance is
+# read off that path by the same walk (the trees are functions of the committed prefix). Walking one T-sampled
+# continuation per prompt therefore samples the decoder's acceptance exactly; traversal verification, whose draws
+# depend on the draft, is not covered and is decoded.
 
 
 @dataclass
 class Trajectory:
-    """One prompt's greedy continuation and the features of every position along it."""
+    """One prompt's continuation by the target (greedy or sampled) and the features of every position along it."""
     prompt_len: int
-    tokens: list[int]                 # y_0 .. y_{n+L}: the greedy continuation (y_0 is the first bonus)
+    tokens: list[int]                 # y_0 .. y_{n+L}: the continuation (y_0 is the first bonus)
     draft_logits: torch.Tensor        # [n, L, V] DFlash logits of the block rooted at y_j
     draft_hidden: torch.Tensor        # [n, L, H] its hidden states
     h_last: torch.Tensor              # [n, H] target final hidden state that produced y_j
 
 
 @torch.no_grad()
-def greedy_continuations(target, prompts: list[list[int]], n: int, batch: int = 32) -> list[list[int]]:
-    """The target's own greedy decoding of `n` tokens after each prompt (KV cache, no EOS stop), `batch` prompts
-    at a time, left-padded with an attention mask."""
+def continuations(target, prompts: list[list[int]], n: int, batch: int = 32, temperature: float = 0.0,
+                  seed: int = 0) -> list[list[int]]:
+    """The target's own decoding of `n` tokens after each prompt (KV cache, no EOS stop), `batch` prompts at a
+    time, left-padded with an attention mask: greedy at temperature 0, else sampled from
+    `filter_probs(logits, temperature)` by inverse CDF, prompt i on its own generator seeded `seed + i` (so its
+    tokens do not depend on the batching)."""
     dev, out = target.device, []
     for lo in range(0, len(prompts), batch):
         chunk = prompts[lo:lo + batch]
+        gens = [torch.Generator().manual_seed(seed + lo + b) for b in range(len(chunk))]
+
+        def pick(h):                                                             # h [B, H] -> tokens [B]
+            logits = target.head(h)
+            if temperature == 0:
+                return logits.argmax(-1)
+            probs = filter_probs(logits.double(), temperature).cpu()             # [B, V]
+            return torch.tensor([sample(row, g) for row, g in zip(probs, gens)], device=dev)
+
         B, W = len(chunk), max(len(p) for p in chunk)
         ids = torch.zeros(B, W, dtype=torch.long, device=dev)
         mask = torch.zeros(B, W, dtype=torch.long, device=dev)
@@ -102,13 +120,13 @@ def greedy_continuations(target, prompts: list[list[int]], n: int, batch: int = 
         pos = (mask.cumsum(-1) - 1).clamp(min=0)                                     # [B, W]
         cache = target.new_cache()
         o = target(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits=False)
-        toks = [target.head(o.h_final[:, -1]).argmax(-1)]                           # [B]
+        toks = [pick(o.h_final[:, -1])]                                              # [B]
         for _ in range(n - 1):
             mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
             pos = pos[:, -1:] + 1
             o = target(toks[-1][:, None], attention_mask=mask, position_ids=pos, cache=cache,
                        use_cache=True, logits=False)
-            toks.append(target.head(o.h_final[:, -1]).argmax(-1))
+            toks.append(pick(o.h_final[:, -1]))
         out += torch.stack(toks, dim=1).tolist()
     return out
 
@@ -116,10 +134,10 @@ def greedy_continuations(target, prompts: list[list[int]], n: int, batch: int = 
 @torch.no_grad()
 def trajectory(target, drafter, prompt: list[int], n: int, continuation: list[int] | None = None,
                chunk: int = 32) -> Trajectory:
-    """Greedy continuation of n + L tokens (given, or decoded here) and, for each of the first n roots, DFlash's
+    """The continuation of n + L tokens (given, or decoded greedily here) and, for each of the first n roots, DFlash's
     block and the target's hidden state, all from one teacher-forced pass over prompt + continuation."""
     L = drafter.cfg.block_size - 1
-    y = continuation[:n + L] if continuation is not None else greedy_continuations(target, [prompt], n + L)[0]
+    y = continuation[:n + L] if continuation is not None else continuations(target, [prompt], n + L)[0]
     P, dev = len(prompt), target.device
     seq = torch.as_tensor(prompt + y, device=dev)
     out = target(seq[None], logits=False)                                   # taps [1, T, n_taps*H]
@@ -149,8 +167,9 @@ def matched_depth(tree, continuation: list[int]) -> int:
 
 
 def build_trees(decoder, trajs: list[Trajectory], roots: list[int], static=None) -> list:
-    """The trees `decoder` builds at T = 0 from root y_j of each trajectory (j = roots[i]); Weaver trees in one
-    lockstep batch, from `static` (a StaticWalkTrees) when given."""
+    """The trees `decoder` builds under greedy or target-only verification (a chain is DFlash's argmax) from root
+    y_j of each trajectory (j = roots[i]); Weaver trees in one lockstep batch, from `static` (a StaticWalkTrees)
+    when given."""
     if decoder.proposal != "weaver":
         return [decoder._tree(t.tokens[j], t.draft_logits[j], t.draft_hidden[j], t.h_last[j], 0.0, None)[0]
                 for t, j in zip(trajs, roots)]
@@ -197,10 +216,15 @@ class StaticWalkTrees:
 
 
 def walk(decoder, trajs: list[Trajectory], n: int, eos_token_id: int | None,
-         static: StaticWalkTrees | None = None) -> list[tuple[list[int], list[int]]]:
-    """The decoder's greedy steps along each trajectory, all trajectories in lockstep (one batched tree build per
-    step): -> per trajectory (accepted tokens per step, tree sizes), exactly as `SpeculativeDecoder.generate`
-    counts them for `n` new tokens. Weaver trees come from `static` when given (at least len(trajs) rows)."""
+         static: StaticWalkTrees | None = None, temperature: float = 0.0) -> list[tuple[list[int], list[int]]]:
+    """The decoder's steps along each trajectory (its greedy continuation at temperature 0, a continuation sampled
+    at `temperature` else), all trajectories in lockstep (one batched tree build per step): -> per trajectory
+    (accepted tokens per step, tree sizes), exactly as `SpeculativeDecoder.generate` counts them for `n` new
+    tokens when it emits those tokens. Weaver trees come from `static` when given (at least len(trajs) rows)."""
+    rule = decoder._rule(temperature)
+    if rule not in ("greedy", "target_only"):
+        raise ValueError(f"a walk follows greedy or target-only verification; this decoder verifies by {rule!r} at "
+                         f"temperature {temperature}, whose acceptance depends on more than the emitted tokens")
     if static is not None and len(trajs) > static.batch:
         raise ValueError(f"{len(trajs)} trajectories, the static tree builder has {static.batch} rows")
     pos, out = [0] * len(trajs), [([], []) for _ in trajs]

@@ -179,6 +179,23 @@ def build_chain(root_token: int, draft_logits: torch.Tensor, budget: int, *, tem
     return tree, draft_probs
 
 
+def top_k_stable(x: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """The first k of a stable descending sort of each row (equal values in index order, so trees are
+    deterministic), as lists: x [L, V] -> (values [L][k], indices [L][k]). Sorts only the entries at or above each
+    row's k-th largest value instead of all V."""
+    if k >= x.shape[-1]:
+        v, i = x.sort(dim=-1, descending=True, stable=True)
+        return v.tolist(), i.tolist()
+    kth = x.topk(k, dim=-1).values[:, -1:]                                       # [L, 1]
+    values, indices = [], []
+    for row, t in zip(x, kth):
+        idx = (row >= t).nonzero()[:, 0]                                          # >= k entries, in index order
+        v, order = row[idx].sort(descending=True, stable=True)
+        values.append(v[:k].tolist())
+        indices.append(idx[order[:k]].tolist())
+    return values, indices
+
+
 def build_ddtree(root_token: int, draft_logits: torch.Tensor, budget: int) -> Tree:
     """DDTree: the `budget` most likely paths under the product of independent per-depth marginals.
 
@@ -202,9 +219,7 @@ def build_ddtree(root_token: int, draft_logits: torch.Tensor, budget: int) -> Tr
     k = min(budget, V)
     if k > 0 and L > 0:
         logp = torch.log_softmax(draft_logits.to(torch.promote_types(draft_logits.dtype, torch.float32)), -1)
-        # A stable sort puts equal log-probs in token order, so the tree is deterministic.
-        top_lp, top_tok = logp.sort(dim=-1, descending=True, stable=True)
-        top_lp, top_tok = top_lp[:, :k].tolist(), top_tok[:, :k].tolist()       # [L][k]
+        top_lp, top_tok = top_k_stable(logp, k)          # [L][k]: equal log-probs in token order
         # (-score, ranks, parent node, parent score); ranks[d] = rank of the token at depth d + 1
         heap = [(-top_lp[0][0], (0,), 0, 0.0)]
         while heap and len(tokens) <= budget:

@@ -8,11 +8,14 @@
 Acceptance length = tokens per verify step, bonus included, averaged per request and then over requests; chat
 template applied. T = 0 follows the target's greedy trajectory (tfm_runtime.acceptance.walk: every lossless
 greedy decoder emits those tokens, so each step's acceptance is read off that trajectory, all positions'
-features from one teacher-forced pass); `--check-prompts` per dataset are also decoded by SpeculativeDecoder and
-the agreement of the two (tokens and per-step acceptance) is reported. T = 1 runs the decoder itself
-(`--t1-decoder`) on `--t1-prompts` per dataset: target-only verification for every proposal, and traversal for Weaver.
-Also per dataset: the rate at which a step that reached depth d - 1 accepts depth d, and the candidate hit rate
-per depth (the target's token among DFlash's top-K).
+features from one teacher-forced pass). T = 1 with target-only verification follows one T = 1 sample of the
+target's continuation per request (the decoder's output is such a sample and its acceptance is read off it the
+same way), so both temperatures cover every prompt at the cost of one batched rollout and one walk. `--check-prompts`
+per dataset are also decoded by SpeculativeDecoder and the agreement with the walk is reported (T = 0: tokens and
+per-step acceptance; T = 1: per-step acceptance along the decoder's own output). Weaver with traversal verification
+(whose acceptance depends on more than the emitted tokens) is decoded (`--t1-decoder`) on `--t1-prompts` per
+dataset. Also per dataset: the rate at which a step that reached depth d - 1 accepts depth d, and the candidate hit
+rate per depth (the target's token among DFlash's top-K) along the T = 0 and T = 1 trajectories.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from tfm_runtime.acceptance import StaticWalkTrees, greedy_continuations, trajectory, walk
+from tfm_runtime.acceptance import StaticWalkTrees, continuations, trajectory, walk
 from tfm_runtime.engine import SpeculativeDecoder
 from tfm_runtime.fast.decoder import FastDecoder
 from benchmarks.common import env, write_results
@@ -118,12 +121,23 @@ class Tally:
                 "accept_rate_by_depth": [round(a / r, 4) if r else None for a, r in zip(self.accepted, self.reached)]}
 
 
+def row_phase(row: dict) -> str | None:
+    """The phase that writes a row: T = 0 walks, T = 1 walks (target-only), T = 1 traversal decoding. Rows of
+    other methods (T = 1 target-only rows decoded by earlier versions) belong to none and are not kept."""
+    if row["temperature"] == 0:
+        return "t0"
+    if row["verification"] == "traversal":
+        return "t1_traversal"
+    return "t1_walk" if row.get("method") == "trajectory" else None
+
+
 def run(args, done: dict | None = None, save=None) -> dict:
-    """Rows in three phases, each dataset by dataset: T = 0 along the greedy trajectories (the figures), the
-    cross-check of that shortcut against SpeculativeDecoder, then T = 1 decoding. Phases recorded as finished in
+    """Rows in phases, each dataset by dataset: T = 0 along the greedy trajectories, the cross-check of that
+    shortcut against SpeculativeDecoder, T = 1 target-only rows along sampled trajectories, their cross-check (the
+    decoder's own T = 1 output walked), then T = 1 traversal decoding of the Weaver. Phases recorded as finished in
     `done` (an earlier result of the same command) are kept as they are, and `save(result)` is called after each
-    phase of each dataset and after each T = 1 row (`t1_partial` names the rows of an unfinished T = 1 phase), so a
-    run stopped part way keeps what it finished."""
+    phase of each dataset and after each traversal row (`t1_partial` names the rows of an unfinished traversal
+    phase), so a run stopped part way keeps what it finished."""
     target, drafter, weavers, tok, world = load_world(args)
     args.block = drafter.cfg.block_size
     pools = {w.cfg.candidate_pool for w in weavers.values()}
@@ -140,91 +154,117 @@ def run(args, done: dict | None = None, save=None) -> dict:
                                                proposal=proposal, verification=verification)
         return decoders[key]
 
-    def walks(proposal, budget, adapter, trajs):
-        dec, static = decoder(proposal, budget, adapter), None
+    def walks(proposal, budget, adapter, trajs, temperature, eos=eos):
+        dec, static = decoder(proposal, budget, adapter, "target_only"), None
         if proposal == "weaver" and static_trees:
             if (budget, adapter) not in statics:
                 k = min(weavers[adapter].cfg.candidate_pool, target.vocab_size)
                 statics[budget, adapter] = StaticWalkTrees(dec, batch=args.group, K=k, L=L)
             static = statics[budget, adapter]
-        return walk(dec, trajs, n, eos, static)
+        return walk(dec, trajs, n, eos, static, temperature=temperature)
 
-    def trajectories(records):
+    def trajectories(records, temperature, first):
+        """records[i] is prompt number first + i of its dataset (its sampling seed is args.seed + first + i)."""
         ids = [chat_ids(tok, rec) for rec in records]
-        conts = greedy_continuations(target, ids, n + L, batch=args.group)
+        conts = continuations(target, ids, n + L, batch=args.group, temperature=temperature, seed=args.seed + first)
         return ids, [trajectory(target, drafter, p, n, c) for p, c in zip(ids, conts)]
 
-    done = done or {}
-    finished = [tuple(f) for f in done.get("finished", [])]
-    t1_key = lambda r: [r["dataset"], r["proposal"], r["budget"], r["adapter"], r["verification"]]  # noqa: E731
-    t1_partial = [list(k) for k in done.get("t1_partial", [])]   # T = 1 rows of a phase stopped part way
-    rows = [r for r in done.get("rows", []) if (f"t{r['temperature']:g}", r["dataset"]) in finished
-            or (r["temperature"] == 1.0 and t1_key(r) in t1_partial)]
-    hits, checks = dict(done.get("candidate_hit_rate_by_depth", {})), dict(done.get("crosscheck_t0", {}))
-    result = {"world": world, "max_new_tokens": n, "candidate_pool": K, "rows": rows, "finished": finished,
-              "candidate_hit_rate_by_depth": hits, "crosscheck_t0": checks, "t1_partial": t1_partial}
-    sets = {name: recs[:args.limit] if args.limit else recs for name, recs in datasets(args).items()}
-    phases = [("t0", name) for name in sets] + [("check", name) for name in sets if args.check_prompts] \
-        + [("t1", name) for name in sets if args.t1_prompts]
-    for phase, name in phases:
-        if (phase, name) in finished:
-            continue
-        records = sets[name]
-        if phase == "t0":
-            tallies = {c: Tally(L) for c in configs(args, weavers)}
-            hit, seen = torch.zeros(L), 0
-            bar = tqdm(total=len(records), desc=f"{name} T=0", disable=args.no_progress)
-            for lo in range(0, len(records), args.group):             # `group` requests walked in lockstep
-                _, trajs = trajectories(records[lo:lo + args.group])
-                for traj in trajs:
-                    y = torch.tensor(traj.tokens, device=traj.draft_logits.device)
-                    top = traj.draft_logits.topk(min(K, traj.draft_logits.shape[-1]), dim=-1).indices  # [n, L, K]
-                    truth = torch.stack([y[j + 1:j + 1 + L] for j in range(len(top))])               # [n, L]
-                    hit += (top == truth[..., None]).any(-1).float().sum(0).cpu()
-                    seen += len(top)
-                for config, tally in tallies.items():
-                    for accepted, sizes in walks(*config, trajs):
-                        tally.add(accepted, sizes)
-                bar.update(len(trajs))
-            bar.close()
-            for (proposal, budget, adapter), tally in tallies.items():
-                rows.append(tally.row(dataset=name, temperature=0.0, proposal=proposal, budget=budget,
-                                      adapter=adapter, verification="greedy", method="trajectory"))
-            hits[name] = [round(float(h) / max(1, seen), 4) for h in hit]
-        elif phase == "check":                               # the real decoder on the first requests
-            ids, trajs = trajectories(records[:args.check_prompts])
-            agree, compared = 0, 0
-            for config in tqdm(configs(args, weavers), desc=f"{name} check", disable=args.no_progress):
-                for k, (accepted, _) in enumerate(walks(*config, trajs)):
-                    out = decoder(*config).generate(ids[k], max_new_tokens=n, temperature=0.0, eos_token_id=eos)
+    def walk_rows(name, records, temperature):
+        """All configurations walked along `records`' trajectories at `temperature`, `group` in lockstep."""
+        tallies = {c: Tally(L) for c in configs(args, weavers)}
+        hit, seen = torch.zeros(L), 0
+        bar = tqdm(total=len(records), desc=f"{name} T={temperature:g}", disable=args.no_progress)
+        for lo in range(0, len(records), args.group):
+            _, trajs = trajectories(records[lo:lo + args.group], temperature, lo)
+            for traj in trajs:
+                y = torch.tensor(traj.tokens, device=traj.draft_logits.device)
+                top = traj.draft_logits.topk(min(K, traj.draft_logits.shape[-1]), dim=-1).indices  # [n, L, K]
+                truth = torch.stack([y[j + 1:j + 1 + L] for j in range(len(top))])               # [n, L]
+                hit += (top == truth[..., None]).any(-1).float().sum(0).cpu()
+                seen += len(top)
+            for config, tally in tallies.items():
+                for accepted, sizes in walks(*config, trajs, temperature):
+                    tally.add(accepted, sizes)
+            bar.update(len(trajs))
+        bar.close()
+        for (proposal, budget, adapter), tally in tallies.items():
+            rows.append(tally.row(dataset=name, temperature=temperature, proposal=proposal, budget=budget,
+                                  adapter=adapter, verification="greedy" if temperature == 0 else "target_only",
+                                  method="trajectory"))
+        hits[f"t{temperature:g}"][name] = [round(float(h) / max(1, seen), 4) for h in hit]
+
+    def check(name, records, temperature):
+        """Each configuration's decoder on `records` against the walk: at T = 0 along the greedy trajectory (the
+        same tokens, the same accepted lengths per step), at T = 1 along the decoder's own output (target-only
+        verification, seeded per request, n + L tokens with no EOS stop: the same accepted lengths per step)."""
+        agree, compared = 0, 0
+        ids, trajs = trajectories(records, 0.0, 0) if temperature == 0 else ([chat_ids(tok, r) for r in records], None)
+        for config in tqdm(configs(args, weavers), desc=f"{name} check T={temperature:g}", disable=args.no_progress):
+            dec = decoder(*config, "target_only")
+            if temperature == 0:
+                for k, (accepted, _) in enumerate(walks(*config, trajs, 0.0)):
+                    out = dec.generate(ids[k], max_new_tokens=n, temperature=0.0, eos_token_id=eos)
                     want = trajs[k].tokens[:n]
                     if eos in want:
                         want = want[:want.index(eos) + 1]
                     agree += out.tokens == want and out.stats.accept_lengths == accepted
                     compared += 1
-            checks[name] = {"requests_x_configs": compared, "identical": agree}
-        else:
-            for proposal, budget, adapter in tqdm(configs(args, weavers), desc=f"{name} T=1",
-                                                  disable=args.no_progress):
-                for rule in ["target_only"] + (["traversal"] if proposal == "weaver" else []):
-                    if [name, proposal, budget, adapter, rule] in t1_partial:
-                        continue                             # measured by the run this one resumes
-                    tally = Tally(L)
-                    dec = (FastDecoder(target, drafter, weavers.get(adapter), tree_budget=budget, proposal=proposal,
-                                       verification=rule, cuda_graphs=True) if fast_t1
-                           else decoder(proposal, budget, adapter, rule))
-                    for i, rec in enumerate(records[:args.t1_prompts]):
-                        out = dec.generate(
-                            chat_ids(tok, rec), max_new_tokens=n, temperature=1.0, eos_token_id=eos,
-                            generator=torch.Generator().manual_seed(args.seed + i))
-                        tally.add(out.stats.accept_lengths, out.stats.tree_sizes)
-                    rows.append(tally.row(dataset=name, temperature=1.0, proposal=proposal, budget=budget,
-                                          adapter=adapter, verification=rule,
-                                          method="fast_decoder" if fast_t1 else "decoder"))
-                    del dec                                  # a FastDecoder holds its static cache and graphs
-                    t1_partial.append(t1_key(rows[-1]))
-                    if save:                                 # a T = 1 phase is long: keep each row as it comes
-                        save(result)
+                continue
+            for i, p in enumerate(ids):
+                out = dec.generate(p, max_new_tokens=n + L, temperature=1.0, eos_token_id=None,
+                                   generator=torch.Generator().manual_seed(args.seed + i))
+                [(accepted, _)] = walks(*config, [trajectory(target, drafter, p, n, out.tokens)], 1.0, eos=None)
+                agree += out.stats.accept_lengths[:len(accepted)] == accepted
+                compared += 1
+        checks[f"t{temperature:g}"][name] = {"requests_x_configs": compared, "identical": agree}
+
+    done = done or {}
+    phase_names = ("t0", "check", "t1_walk", "check_t1", "t1_traversal")
+    finished = [tuple(f) for f in done.get("finished", []) if f[0] in phase_names]
+    t1_key = lambda r: [r["dataset"], r["proposal"], r["budget"], r["adapter"], r["verification"]]  # noqa: E731
+    t1_partial = [list(k) for k in done.get("t1_partial", [])]   # traversal rows of a phase stopped part way
+    rows = [r for r in done.get("rows", []) if (row_phase(r), r["dataset"]) in finished
+            or (row_phase(r) == "t1_traversal" and t1_key(r) in t1_partial)]
+    hits = {"t0": dict(done.get("candidate_hit_rate_by_depth", {})),
+            "t1": dict(done.get("candidate_hit_rate_by_depth_t1", {}))}
+    checks = {"t0": dict(done.get("crosscheck_t0", {})), "t1": dict(done.get("crosscheck_t1", {}))}
+    result = {"world": world, "max_new_tokens": n, "candidate_pool": K, "rows": rows, "finished": finished,
+              "candidate_hit_rate_by_depth": hits["t0"], "candidate_hit_rate_by_depth_t1": hits["t1"],
+              "crosscheck_t0": checks["t0"], "crosscheck_t1": checks["t1"], "t1_partial": t1_partial}
+    sets = {name: recs[:args.limit] if args.limit else recs for name, recs in datasets(args).items()}
+    phases = [("t0", name) for name in sets] + [("check", name) for name in sets if args.check_prompts]
+    if args.t1:
+        phases += [("t1_walk", name) for name in sets] + [("check_t1", name) for name in sets if args.check_prompts]
+        phases += [("t1_traversal", name) for name in sets if args.t1_prompts and weavers]
+    for phase, name in phases:
+        if (phase, name) in finished:
+            continue
+        records = sets[name]
+        if phase in ("t0", "t1_walk"):
+            walk_rows(name, records, 0.0 if phase == "t0" else 1.0)
+        elif phase in ("check", "check_t1"):
+            check(name, records[:args.check_prompts], 0.0 if phase == "check" else 1.0)
+        else:                                                # Weaver + traversal verification: decoded
+            for proposal, budget, adapter in tqdm([c for c in configs(args, weavers) if c[0] == "weaver"],
+                                                  desc=f"{name} T=1 traversal", disable=args.no_progress):
+                if [name, proposal, budget, adapter, "traversal"] in t1_partial:
+                    continue                                 # measured by the run this one resumes
+                tally = Tally(L)
+                dec = (FastDecoder(target, drafter, weavers.get(adapter), tree_budget=budget, proposal=proposal,
+                                   verification="traversal", cuda_graphs=True) if fast_t1
+                       else decoder(proposal, budget, adapter, "traversal"))
+                for i, rec in enumerate(records[:args.t1_prompts]):
+                    out = dec.generate(
+                        chat_ids(tok, rec), max_new_tokens=n, temperature=1.0, eos_token_id=eos,
+                        generator=torch.Generator().manual_seed(args.seed + i))
+                    tally.add(out.stats.accept_lengths, out.stats.tree_sizes)
+                rows.append(tally.row(dataset=name, temperature=1.0, proposal=proposal, budget=budget,
+                                      adapter=adapter, verification="traversal",
+                                      method="fast_decoder" if fast_t1 else "decoder"))
+                del dec                                      # a FastDecoder holds its static cache and graphs
+                t1_partial.append(t1_key(rows[-1]))
+                if save:                                     # a traversal phase is long: keep each row as it comes
+                    save(result)
             t1_partial[:] = [k for k in t1_partial if k[0] != name]
         finished.append((phase, name))
         if save:
@@ -315,7 +355,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--candidate-pool", type=int, default=512, help="K of the hit rate when there is no Weaver")
     ap.add_argument("--check-prompts", type=int, default=4, help="per dataset, also decoded by SpeculativeDecoder")
-    ap.add_argument("--t1-prompts", type=int, default=8, help="per dataset, decoded at T = 1 (0: no T = 1 rows)")
+    ap.add_argument("--no-t1", dest="t1", action="store_false", help="T = 0 rows only")
+    ap.add_argument("--t1-prompts", type=int, default=8, help="per dataset, decoded at T = 1 with traversal "
+                    "verification (0: no traversal rows)")
     ap.add_argument("--group", type=int, help="requests walked in lockstep (default: 16 on CUDA, 2 on the CPU)")
     ap.add_argument("--tree-builder", choices=["auto", "reference", "static"], default="auto",
                     help="Weaver trees of the T = 0 walks: the reference builder, or the shape-static one "
@@ -329,7 +371,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="results JSON")
     ap.add_argument("--plot", help="PNG of acceptance length against tree budget")
     ap.add_argument("--resume", action="store_true", help="keep what --out records as finished (it is written after "
-                    "each dataset's T = 0 rows, cross-check and T = 1 rows) and run the rest")
+                    "each dataset's phase and each traversal row) and run the rest")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     args.group = args.group or (16 if args.device.startswith("cuda") else 2)
@@ -360,7 +402,8 @@ def main(argv=None) -> int:
     save(result)
     print(table(result))
     print("candidate hit rate by depth:", json.dumps(result["candidate_hit_rate_by_depth"]))
-    print("T = 0 cross-check against SpeculativeDecoder:", json.dumps(result["crosscheck_t0"]))
+    print("cross-check against SpeculativeDecoder:", json.dumps({"T=0": result["crosscheck_t0"],
+                                                                 "T=1": result["crosscheck_t1"]}))
     if args.plot:
         plot(result, args.plot)
     return 0

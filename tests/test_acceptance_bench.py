@@ -92,13 +92,16 @@ def test_adapter_labels_tell_adapters_apart():
 
 
 def test_t1_rows_of_the_fast_decoder_equal_the_reference_decoders(prompts_dir, tmp_path):
-    """The same sampled decodes (same generators) through FastDecoder and SpeculativeDecoder: the same rows."""
+    """The same sampled decodes (same generators) through FastDecoder and SpeculativeDecoder: the same rows; the
+    T = 1 walk agrees with either decoder's own output."""
     rows = {}
     for dec in ("reference", "fast"):
         out = str(tmp_path / f"{dec}.json")
         acceptance.main(BASE + ["--t1-prompts", "2", "--max-new-tokens", "12", "--prompts-dir", prompts_dir,
-                                "--datasets", "mtbench", "--check-prompts", "0", "--t1-decoder", dec, "--out", out])
-        rows[dec] = [r for r in json.load(open(out))["rows"] if r["verification"] == "traversal"]
+                                "--datasets", "mtbench", "--check-prompts", "1", "--t1-decoder", dec, "--out", out])
+        result = json.load(open(out))
+        assert result["crosscheck_t1"] == {"mtbench": {"requests_x_configs": 3, "identical": 3}}   # walk = decoder
+        rows[dec] = [r for r in result["rows"] if r["verification"] == "traversal"]
     assert {r["method"] for r in rows["fast"]} == {"fast_decoder"} and len(rows["fast"]) == 1
     strip = lambda rs: [{k: v for k, v in r.items() if k != "method"} for r in rs]  # noqa: E731
     assert strip(rows["fast"]) == strip(rows["reference"])

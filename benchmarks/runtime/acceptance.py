@@ -195,8 +195,9 @@ def run(args, done: dict | None = None, save=None) -> dict:
 
     def check(name, records, temperature):
         """Each configuration's decoder on `records` against the walk: at T = 0 along the greedy trajectory (the
-        same tokens, the same accepted lengths per step), at T = 1 along the decoder's own output (target-only
-        verification, seeded per request, n + L tokens with no EOS stop: the same accepted lengths per step)."""
+        same tokens, the same accepted lengths per step), at T = 1 along the decoder's own output (`--t1-decoder`,
+        target-only verification, seeded per request, n + L tokens with no EOS stop: the same accepted lengths per
+        step)."""
         agree, compared = 0, 0
         ids, trajs = trajectories(records, 0.0, 0) if temperature == 0 else ([chat_ids(tok, r) for r in records], None)
         for config in tqdm(configs(args, weavers), desc=f"{name} check T={temperature:g}", disable=args.no_progress):
@@ -210,6 +211,9 @@ def run(args, done: dict | None = None, save=None) -> dict:
                     agree += out.tokens == want and out.stats.accept_lengths == accepted
                     compared += 1
                 continue
+            proposal, budget, adapter = config
+            dec = (FastDecoder(target, drafter, weavers.get(adapter), tree_budget=budget, proposal=proposal,
+                               verification="target_only", cuda_graphs=True) if fast_t1 else dec)
             for i, p in enumerate(ids):
                 out = dec.generate(p, max_new_tokens=n + L, temperature=1.0, eos_token_id=None,
                                    generator=torch.Generator().manual_seed(args.seed + i))

@@ -70,16 +70,11 @@ def rows_to_json(rows: list[AcceptanceRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-# ---- Acceptance along one sample of the target's own continuation -----------------------------------------------
-# Greedy decoding is lossless, so at T = 0 every proposal follows the same tokens: the target's greedy continuation.
-# The decoder's step from a committed root y_j accepts the longest tree path matching y_{j+1}, y_{j+2}, ... plus a
-# bonus, then continues from the next root. Walking that trajectory with every position's features taken from one
-# teacher-forced target pass gives the decoder's acceptance without running it (`crosscheck` compares the two).
-# At T > 0 under target-only verification the same holds in distribution: every accepted or bonus token is the
-# target's own sample at its prefix, so the decoder's output is a target sample path and its per-step acceptance is
-# read off that path by the same walk (the trees are functions of the committed prefix). Walking one T-sampled
-# continuation per prompt therefore samples the decoder's acceptance exactly; traversal verification, whose draws
-# depend on the draft, is not covered and is decoded.
+# ---- Acceptance along the target's own continuation (docs/method.md §7.5) -------------------------------------
+# Greedy and target-only verification emit the target's own continuation (greedy at T = 0, a sample at T > 0),
+# and a round rooted at y_j accepts the longest tree path following y_{j+1}, y_{j+2}, ... plus a bonus. Walking one
+# continuation per request, every position's features from one teacher-forced pass, gives the decoder's acceptance
+# (exactly at T = 0, exactly in distribution at T > 0) without running it.
 
 
 @dataclass

@@ -148,6 +148,8 @@ def test_build_ddtree_corner_cases():
     assert set(t.tokens[1:].tolist()) == {0, 1, 2} and 1 not in t.tokens[t.depths == 1].tolist()
     with pytest.raises(ValueError, match="budget must be >= 0"):
         build_ddtree(4, logits, -2)
+    with pytest.raises(ValueError, match="draft_logits hold NaN"):
+        build_ddtree(4, torch.tensor([[0.0, float("nan"), 1.0]]), 2)
 
 
 def test_top_k_stable_equals_the_first_k_of_a_stable_sort():

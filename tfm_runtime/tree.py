@@ -219,6 +219,8 @@ def build_ddtree(root_token: int, draft_logits: torch.Tensor, budget: int) -> Tr
     k = min(budget, V)
     if k > 0 and L > 0:
         logp = torch.log_softmax(draft_logits.to(torch.promote_types(draft_logits.dtype, torch.float32)), -1)
+        if torch.isnan(logp).any():
+            raise ValueError("draft_logits hold NaN: the drafter's block is corrupt (no tree can rank it)")
         top_lp, top_tok = top_k_stable(logp, k)          # [L][k]: equal log-probs in token order
         # (-score, ranks, parent node, parent score); ranks[d] = rank of the token at depth d + 1
         heap = [(-top_lp[0][0], (0,), 0, 0.0)]

@@ -60,7 +60,8 @@ def test_a_resumed_run_keeps_finished_phases_and_runs_the_rest(prompts_dir, tmp_
     assert third["rows"][:len(second["rows"]) - 1] == second["rows"][:-1]
     assert third["finished"][-3:] == [["t1_walk", "mtbench"], ["check_t1", "mtbench"], ["t1_traversal", "mtbench"]]
     assert ["t1", "mtbench"] not in third["finished"]
-    t1 = [(r["proposal"], r["verification"], r["method"], r["prompts"]) for r in third["rows"][len(second["rows"]) - 1:]]
+    new_rows = third["rows"][len(second["rows"]) - 1:]
+    t1 = [(r["proposal"], r["verification"], r["method"], r["prompts"]) for r in new_rows]
     assert t1 == [("chain", "target_only", "trajectory", 2), ("ddtree", "target_only", "trajectory", 2),
                   ("weaver", "target_only", "trajectory", 2), ("weaver", "traversal", "decoder", 1)]
     assert third["crosscheck_t1"] == {"mtbench": {"requests_x_configs": 3, "identical": 3}}

@@ -155,7 +155,7 @@ def run(args, done: dict | None = None, save=None) -> dict:
         return decoders[key]
 
     def walks(proposal, budget, adapter, trajs, temperature, eos=eos):
-        dec, static = decoder(proposal, budget, adapter, "target_only"), None
+        dec, static = decoder(proposal, budget, adapter, "target_only"), None     # greedy at T = 0
         if proposal == "weaver" and static_trees:
             if (budget, adapter) not in statics:
                 k = min(weavers[adapter].cfg.candidate_pool, target.vocab_size)
@@ -193,34 +193,44 @@ def run(args, done: dict | None = None, save=None) -> dict:
                                   method="trajectory"))
         hits[f"t{temperature:g}"][name] = [round(float(h) / max(1, seen), 4) for h in hit]
 
-    def check(name, records, temperature):
-        """Each configuration's decoder on `records` against the walk: at T = 0 along the greedy trajectory (the
-        same tokens, the same accepted lengths per step), at T = 1 along the decoder's own output (`--t1-decoder`,
-        target-only verification, seeded per request, n + L tokens with no EOS stop: the same accepted lengths per
-        step)."""
+    def sampling_decoder(proposal, budget, adapter, rule):
+        """The decoder of T = 1 decodes (`--t1-decoder`): FastDecoder (static caches, CUDA graphs) or the reference."""
+        if fast_t1:
+            return FastDecoder(target, drafter, weavers.get(adapter), tree_budget=budget, proposal=proposal,
+                               verification=rule, cuda_graphs=True)
+        return decoder(proposal, budget, adapter, rule)
+
+    def check_t0(name, records):
+        """Each configuration's SpeculativeDecoder on `records` against the walk along the greedy trajectory: the
+        same tokens and the same accepted lengths per step."""
         agree, compared = 0, 0
-        ids, trajs = trajectories(records, 0.0, 0) if temperature == 0 else ([chat_ids(tok, r) for r in records], None)
-        for config in tqdm(configs(args, weavers), desc=f"{name} check T={temperature:g}", disable=args.no_progress):
-            dec = decoder(*config, "target_only")
-            if temperature == 0:
-                for k, (accepted, _) in enumerate(walks(*config, trajs, 0.0)):
-                    out = dec.generate(ids[k], max_new_tokens=n, temperature=0.0, eos_token_id=eos)
-                    want = trajs[k].tokens[:n]
-                    if eos in want:
-                        want = want[:want.index(eos) + 1]
-                    agree += out.tokens == want and out.stats.accept_lengths == accepted
-                    compared += 1
-                continue
-            proposal, budget, adapter = config
-            dec = (FastDecoder(target, drafter, weavers.get(adapter), tree_budget=budget, proposal=proposal,
-                               verification="target_only", cuda_graphs=True) if fast_t1 else dec)
-            for i, p in enumerate(ids):
+        ids, trajs = trajectories(records, 0.0, 0)
+        for config in tqdm(configs(args, weavers), desc=f"{name} check T=0", disable=args.no_progress):
+            for k, (accepted, _) in enumerate(walks(*config, trajs, 0.0)):
+                out = decoder(*config, "target_only").generate(ids[k], max_new_tokens=n, temperature=0.0,
+                                                               eos_token_id=eos)
+                want = trajs[k].tokens[:n]
+                if eos in want:
+                    want = want[:want.index(eos) + 1]
+                agree += out.tokens == want and out.stats.accept_lengths == accepted
+                compared += 1
+        checks["t0"][name] = {"requests_x_configs": compared, "identical": agree}
+
+    def check_t1(name, records):
+        """Each configuration's T = 1 decoder (target-only, seeded per request, n + L tokens with no EOS stop) on
+        `records`, its own output walked: the same accepted lengths per step."""
+        agree, compared = 0, 0
+        for config in tqdm(configs(args, weavers), desc=f"{name} check T=1", disable=args.no_progress):
+            dec = sampling_decoder(*config, "target_only")
+            for i, rec in enumerate(records):
+                p = chat_ids(tok, rec)
                 out = dec.generate(p, max_new_tokens=n + L, temperature=1.0, eos_token_id=None,
                                    generator=torch.Generator().manual_seed(args.seed + i))
                 [(accepted, _)] = walks(*config, [trajectory(target, drafter, p, n, out.tokens)], 1.0, eos=None)
                 agree += out.stats.accept_lengths[:len(accepted)] == accepted
                 compared += 1
-        checks[f"t{temperature:g}"][name] = {"requests_x_configs": compared, "identical": agree}
+            del dec                                          # a FastDecoder holds its static cache and graphs
+        checks["t1"][name] = {"requests_x_configs": compared, "identical": agree}
 
     done = done or {}
     phase_names = ("t0", "check", "t1_walk", "check_t1", "t1_traversal")
@@ -246,17 +256,17 @@ def run(args, done: dict | None = None, save=None) -> dict:
         records = sets[name]
         if phase in ("t0", "t1_walk"):
             walk_rows(name, records, 0.0 if phase == "t0" else 1.0)
-        elif phase in ("check", "check_t1"):
-            check(name, records[:args.check_prompts], 0.0 if phase == "check" else 1.0)
+        elif phase == "check":
+            check_t0(name, records[:args.check_prompts])
+        elif phase == "check_t1":
+            check_t1(name, records[:args.check_prompts])
         else:                                                # Weaver + traversal verification: decoded
             for proposal, budget, adapter in tqdm([c for c in configs(args, weavers) if c[0] == "weaver"],
                                                   desc=f"{name} T=1 traversal", disable=args.no_progress):
                 if [name, proposal, budget, adapter, "traversal"] in t1_partial:
                     continue                                 # measured by the run this one resumes
                 tally = Tally(L)
-                dec = (FastDecoder(target, drafter, weavers.get(adapter), tree_budget=budget, proposal=proposal,
-                                   verification="traversal", cuda_graphs=True) if fast_t1
-                       else decoder(proposal, budget, adapter, "traversal"))
+                dec = sampling_decoder(proposal, budget, adapter, "traversal")
                 for i, rec in enumerate(records[:args.t1_prompts]):
                     out = dec.generate(
                         chat_ids(tok, rec), max_new_tokens=n, temperature=1.0, eos_token_id=eos,

@@ -121,6 +121,28 @@ def test_greedy_equals_reference_decoder_and_hf(small_worlds, family, proposal, 
         assert max(fast.stats.accept_lengths) >= 3          # multi-node commits happen
 
 
+def test_profiled_stages_and_the_one_host_read(small_worlds):
+    """profile=True times every stage (a sync after each); off, the loop is one `step` entry and the same tokens come
+    out. The verified tree and the target's argmax reach the host in one copy that equals the tree and argmax."""
+    w = small_worlds["llama"]
+    plain = FastDecoder(w.target, w.drafter, w.weaver, tree_budget=16, proposal="weaver", max_seq_len=96)
+    profiled = FastDecoder(w.target, w.drafter, w.weaver, tree_budget=16, proposal="weaver", max_seq_len=96,
+                           profile=True)
+    a, b = plain.generate(SMALL_PROMPT, max_new_tokens=12), profiled.generate(SMALL_PROMPT, max_new_tokens=12)
+    assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths
+    assert set(a.stats.seconds) == {"prefill", "step"}
+    assert set(b.stats.seconds) == {"prefill", "draft", "tree", "verify", "commit"}
+    trees = plain.weaver_builder.result
+    want = trees.tree(0)
+    logits = torch.randn(want.num_nodes, 8)                               # the verify of the unpadded tree
+    tree, best = FastDecoder._host_tree(trees, logits)
+    for k in ("tokens", "parents", "depths", "draft_logprobs"):
+        assert torch.equal(getattr(tree, k), getattr(want, k)), k
+    assert tree.draft_logprobs.dtype == torch.float64
+    assert best.tolist() == logits.argmax(-1)[:want.num_nodes].tolist()
+    assert FastDecoder._host_tree(trees, None)[1] is None
+
+
 @pytest.mark.parametrize("proposal,verification", [("chain", "chain_sampling"), ("ddtree", "target_only"),
                                                    ("weaver", "traversal")])
 def test_sampling_equals_reference_decoder(small_worlds, proposal, verification):

@@ -18,7 +18,9 @@ warms up on every prompt); tokens/s = new tokens / wall seconds of the calls (pr
   hf static eager     generate(cache_implementation="static", disable_compile=True)
   hf static compiled  the same with its forward under torch.compile(mode="reduce-overhead") (CUDA graphs; CUDA only)
   ours chain|ddtree|weaver  FastDecoder at budgets 16/32/64 (chain: min(budget, L) drafts), with and without CUDA
-                      graphs; `step_ms` = one draft-tree-verify-commit step, `stage_ms` per step from DecodeStats
+                      graphs; `step_ms` = one draft-tree-verify-commit step (one host sync per step), `stage_ms`
+                      per step from a second pass with `profile=True` (a sync after each stage; their sum is
+                      `profiled_step_ms`)
 Also: the tree builds alone at budget 64 (`tree_build`: the static Weaver and DDTree builders eager and captured,
 the reference builders, and the Weaver builder at ceil(budget / width) rounds, `few_rounds`), the issue's ratios
 with their goals (`ratios`), and a greedy cross-check (`crosscheck`): FastDecoder's tokens, acceptance lengths and
@@ -496,7 +498,14 @@ def main(argv=None) -> int:
                                       proposal=proposal, max_seq_len=seq, cuda_graphs=graphs,
                                       weaver_rounds=args.weaver_rounds)
                     call = lambda p, k, d=dec: (lambda o: (o.tokens, o.stats))(d.generate(p, k))  # noqa: E731
-                    add(run_engine(f"ours {proposal}", call, prompts, n, dev, budget=budget, cuda_graphs=graphs)[0])
+                    row, _ = run_engine(f"ours {proposal}", call, prompts, n, dev, budget=budget, cuda_graphs=graphs)
+                    dec.profile = True                                   # stage times: a second pass, synced
+                    staged = [dec.generate(p, n).stats for p in prompts]
+                    steps = sum(s.verify_steps for s in staged)
+                    row["stage_ms"] = {k: round(1e3 * sum(s.seconds[k] for s in staged) / steps, 4)
+                                       for k in ("draft", "tree", "verify", "commit")}
+                    row["profiled_step_ms"] = round(sum(row["stage_ms"].values()), 4)
+                    add(row)
                     del dec
         try:
             build = tree_build(target, drafter, weaver, top, dev, args.build_reps)

@@ -28,6 +28,7 @@ from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
 from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.weaver import Weaver
 from tfm_runtime.sampling import filter_probs
+from tfm_runtime.tree import Tree
 from tfm_runtime.verify import verify_greedy_best
 
 
@@ -47,25 +48,37 @@ class FastDecoder:
     StaticWeaverTreeBuilder (batch 1) built here, `weaver_rounds` its round count (default: the worst case, so every
     tree is the reference's, in two phases of which the second runs only for trees that need it; fewer rounds may
     cut trees short, see tfm_runtime.fast.weaver_tree).
+    `profile`: time each stage (prefill, draft, tree, verify, commit in `stats.seconds`) with a device sync after
+    each; off, a step's only host sync is the one read of the verified tree (T = 0: its nodes and the target's
+    argmax per node, one copy) and the loop's time is recorded as `step`.
     """
 
     # the reference decoder's rule choice, tree building, verification and stage timing, unchanged
     _rule = SpeculativeDecoder._rule
     _tree = SpeculativeDecoder._tree
     _verify = SpeculativeDecoder._verify
-    _tick = SpeculativeDecoder._tick
+
+    def _tick(self, stats: DecodeStats, stage: str, t0: float) -> float:
+        """Add the time since t0 to `stage` (synchronised: profiled stages, the prefill and the AR loop), else to
+        `step`."""
+        if self.profile or stage in ("prefill", "decode"):
+            return SpeculativeDecoder._tick(self, stats, stage, t0)
+        t1 = time.perf_counter()
+        stats.seconds["step"] += t1 - t0
+        return t1
 
     def __init__(self, target, drafter: DFlashDrafter, adapter: Weaver | None = None, *, tree_budget: int = 64,
                  proposal: str | None = None, verification: str = "auto", expand: int = 8,
                  width: int | None = None, gdn_backend: str = "auto", max_seq_len: int | None = None,
-                 attention: str = "auto", cuda_graphs: bool = False, weaver_rounds: int | None = None):
+                 attention: str = "auto", cuda_graphs: bool = False, weaver_rounds: int | None = None,
+                 profile: bool = False):
         target, proposal = check_decoder_arguments(target, drafter, adapter, proposal, verification, tree_budget,
                                                    "FastDecoder")
         if max_seq_len is None:
             max_seq_len = min(getattr(target.config, "max_position_embeddings", None) or 4096, 4096)
         self.target, self.drafter, self.adapter = target, drafter, adapter
         self.tree_budget, self.proposal, self.verification = tree_budget, proposal, verification
-        self.expand, self.width = expand, width
+        self.expand, self.width, self.profile = expand, width, profile
         if target.is_hybrid:
             from tfm_runtime.fast.hybrid import HybridModel
             self.model = HybridModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,
@@ -135,11 +148,14 @@ class FastDecoder:
                 trees, nodes = self._static_tree(static, bonus, draft_logits, draft_hidden, h_last)
             t = self._tick(stats, "tree", t)
             out = runner.verify_tree(*nodes, start)
+            best = None
             if tree is None:                                  # the tree on the host, for the verify rules
-                tree = trees.tree(0).to("cpu")
+                tree, best = self._host_tree(trees, out.logits if rule == "greedy" else None)
             t = self._tick(stats, "verify", t)
             if rule == "greedy":
-                accepted, bonus = verify_greedy_best(tree, out.logits[:tree.num_nodes].argmax(-1).cpu())
+                if best is None:
+                    best = out.logits[:tree.num_nodes].argmax(-1).cpu()
+                accepted, bonus = verify_greedy_best(tree, best)
             else:
                 accepted, bonus = self._verify(rule, tree, out.logits[:tree.num_nodes].cpu(), draft_probs,
                                                temperature, top_k, top_p, generator)
@@ -170,6 +186,21 @@ class FastDecoder:
         n = trees.tokens.shape[1] if self.pad_trees else int(trees.num_nodes[0])
         anc = ancestor_masks(trees.parents[:, :n], self.drafter.lookahead)[0]               # [n, n]
         return trees, (trees.tokens[0, :n], trees.depths[0, :n], anc)
+
+    @staticmethod
+    def _host_tree(trees, logits: torch.Tensor | None) -> tuple[Tree, torch.Tensor | None]:
+        """Row 0 of `trees` as a host Tree and, given the verify's logits [n, V] (n <= N+1 rows, node order), the
+        target's argmax per node [num_nodes]: one device-to-host copy (log q travels as its float64 bits)."""
+        rows = [trees.tokens[0], trees.parents[0], trees.depths[0], trees.draft_logprobs[0].view(torch.long),
+                trees.num_nodes.expand_as(trees.tokens[0])]                            # 5 x [N+1]
+        if logits is not None:
+            best = logits.argmax(-1)                                                   # [n]
+            rows.append(torch.nn.functional.pad(best, (0, rows[0].numel() - best.numel())))
+        host = torch.stack(rows).cpu()                                                 # [5 or 6, N+1]
+        n = int(host[4, 0])
+        tree = Tree(tokens=host[0, :n], parents=host[1, :n], depths=host[2, :n],
+                    draft_logprobs=host[3, :n].view(torch.float64))
+        return tree, (host[5, :n] if logits is not None else None)
 
     @torch.no_grad()
     def generate_autoregressive(self, prompt_ids, max_new_tokens: int = 256,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, weaver_tree_rounds
+from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, weaver_tree_first_rounds, weaver_tree_rounds
 from tfm_runtime.models.weaver import Weaver, WeaverConfig
 from tfm_runtime.weaver_tree import build_weaver_trees
 
@@ -169,7 +169,7 @@ def test_fixed_steps_and_no_host_reads(monkeypatch):
     w, E, W, roots, h, u, ids, logits = world(0, B=2, L=2)
     builder = StaticWeaverTreeBuilder(w, E, W, 40, K=10, L=2, batch=2, expand=3, width=4)
     R, R1 = builder.rounds, builder.first_rounds
-    assert (R, R1) == (weaver_tree_rounds(40, 4, 2), 10) and R1 < R
+    assert (R, R1) == (weaver_tree_rounds(40, 4, 2), 11) and R1 < R       # 3 nodes, then 4 per round
     calls, step = [], w.step
     monkeypatch.setattr(w, "step", lambda *a, **k: calls.append(a[1].shape) or step(*a, **k))
     ptrs = [t.data_ptr() for t in (builder.tokens, builder.front_int, builder.visible, builder.state.k[0])]
@@ -194,22 +194,38 @@ def test_fixed_steps_and_no_host_reads(monkeypatch):
     assert_same(builder.result, ref, TOL[torch.float64])
 
 
+def test_first_rounds():
+    assert [weaver_tree_first_rounds(64, w, 8) for w in (1, 4, 8)] == [64, 16, 8]    # ceil(budget / width)
+    assert weaver_tree_first_rounds(64, 16, 8) == 5            # 8 nodes (the root's children), then 16 per round
+    assert weaver_tree_first_rounds(8, 4, 1) == 8 and weaver_tree_first_rounds(1, 16, 8) == 1
+
+
+@pytest.mark.parametrize("budget,width", [(64, 16), (128, 32), (40, 12)])
+def test_wide_steps_finish_in_the_first_phase(budget, width):
+    """Wider than the root's children: the first round is short, yet with valid candidates and depth to spare the
+    first phase's R1 rounds finish the tree (no second phase) and build the reference's tree."""
+    builder, out, ref = build_both(4, budget, expand=8, width=width, B=2, L=15, K=12)
+    assert builder.first_rounds < builder.rounds
+    builder._first(*world(4, B=2, L=15, K=12)[3:])
+    assert not builder.truncated.any()
+    assert_same(out, ref, TOL[torch.float64])
+
+
 def test_the_second_phase_finishes_trees_that_need_short_rounds(monkeypatch):
-    """A chain (expand 1) places one node per round: R1 = ceil(budget / width) rounds leave it unfinished, the
-    second phase completes it to the reference's tree."""
-    w, E, W, roots, h, u, ids, logits = world(2, B=2, L=6)
-    builder = StaticWeaverTreeBuilder(w, E, W, 8, K=10, L=6, batch=2, expand=1, width=4)
-    assert builder.first_rounds == 2 < builder.rounds
+    """Half the candidates invalid: rounds run short of frontier entries, R1 rounds (every candidate valid) leave
+    the trees unfinished, and the second phase completes them to the reference's trees."""
+    w, E, W, roots, h, u, ids, logits = world(2, B=2, L=6, invalid=True)
+    builder = StaticWeaverTreeBuilder(w, E, W, 24, K=10, L=6, batch=2, expand=8, width=8)
+    assert builder.first_rounds == 3 < builder.rounds
     builder._first(roots, h, u, ids, logits)
-    assert builder.truncated.all() and (builder.num_nodes == 3).all()
+    assert builder.truncated.all() and (builder.num_nodes < 25).all()
     calls, step = [], w.step
     monkeypatch.setattr(w, "step", lambda *a, **k: calls.append(a[1].shape) or step(*a, **k))
     out = builder.build(roots, h, u, ids, logits)
     assert len(calls) == builder.rounds and not out.truncated.any()
-    ref = build_weaver_trees(w, roots.tolist(), h, u, ids, logits, 8, embed_weight=E, lm_head_weight=W, expand=1,
-                             width=4)
+    ref = build_weaver_trees(w, roots.tolist(), h, u, ids, logits, 24, embed_weight=E, lm_head_weight=W, expand=8,
+                             width=8)
     assert_same(out, ref, TOL[torch.float64])
-    assert out.num_nodes.tolist() == [7, 7]                   # root + a chain of depth 6
 
 
 @pytest.mark.interpreter

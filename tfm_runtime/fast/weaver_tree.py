@@ -37,9 +37,10 @@ entries ("short" rounds: expand < width, invalid candidates, nodes at depth L th
 count is data dependent. A short round consumes the whole frontier, so the shallowest frontier depth grows by one
 from one short round to the next: at most L short rounds, each placing >= 1 node, the other rounds placing `width`.
 `weaver_tree_rounds(budget, width, L)` is the largest round count that allows, hence every tree is finished after
-R rounds. Most trees need only R1 = ceil(budget / width) rounds (no round is short), so a build runs in two
-phases: rounds 1..R1, then, only when a tree is unfinished (one host read of `truncated`), rounds R1+1..R; the
-result equals the R-round build. A smaller `rounds` runs faster and reports the trees it may have cut short in
+R rounds. Most trees need only the R1 = `weaver_tree_first_rounds(budget, width, E)` rounds a tree takes when every
+candidate is valid and no node reaches depth L (ceil(budget / width) when E >= width; with E < width the first
+rounds are short while the frontier fills), so a build runs in two phases: rounds 1..R1, then, only when a tree is
+unfinished (one host read of `truncated`), rounds R1+1..R; the result equals the R-round build. A smaller `rounds` runs faster and reports the trees it may have cut short in
 `truncated`.
 
 Tensors on the builder (B rows, N = budget, Wd = width, E = children per node, K candidates, L depths,
@@ -86,6 +87,16 @@ def weaver_tree_rounds(budget: int, width: int, lookahead: int) -> int:
         for short in range(min(lookahead, budget - last) + 1):
             best = max(best, short + last + (budget - short - last) // width)
     return max(best, 1)
+
+
+def weaver_tree_first_rounds(budget: int, width: int, expand: int) -> int:
+    """The rounds of a build in which every candidate is valid and no node reaches the last depth: round r places
+    min(width, frontier) nodes, each of which adds `expand` children to the frontier (the root's start it)."""
+    placed, frontier, rounds = 0, expand, 0
+    while placed < budget:
+        p = min(width, frontier, budget - placed)
+        placed, frontier, rounds = placed + p, frontier + p * (expand - 1), rounds + 1
+    return rounds
 
 
 @dataclass(frozen=True)
@@ -136,7 +147,7 @@ class StaticWeaverTreeBuilder:
         self.L = min(L, weaver.cfg.lookahead)
         self.E = min(expand, K)
         self.rounds = rounds or weaver_tree_rounds(budget, width, self.L)
-        self.first_rounds = min(self.rounds, math.ceil(budget / width))     # R1: the first phase's rounds
+        self.first_rounds = min(self.rounds, weaver_tree_first_rounds(budget, width, self.E))   # R1: first phase
         B, N, Wd, E, R = batch, budget, width, self.E, self.rounds
         S, P, M = 1 + (R - 1) * Wd, 1 + R * Wd, N + Wd * E
         dev, cfg = self.device, weaver.cfg

@@ -9,13 +9,14 @@ from benchmarks.runtime import runtime_bench
 
 def test_smoke_rows(tmp_path):
     out = tmp_path / "runtime.json"
-    assert runtime_bench.main(["--smoke", "--out", str(out)]) == 0
+    assert runtime_bench.main(["--smoke", "--weaver-steps", "16", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert list(res)[:2] == ["env", "setup"] and res["setup"]["smoke"] and res["errors"] == {} and res["complete"]
     rows, n = res["rows"], res["setup"]["new_tokens"] * res["setup"]["num_prompts"]
-    got = {(r["engine"], r.get("budget")) for r in rows}
-    want = {("ours ar", None), ("hf static eager", None)} | {(f"ours {p}", b) for p in ("chain", "ddtree", "weaver")
-                                                              for b in (4, 8)}
+    got = {(r["engine"], r.get("budget"), r.get("width")) for r in rows}
+    want = {("ours ar", None, None), ("hf static eager", None, None)} | {
+        (f"ours {p}", b, None) for p in ("chain", "ddtree") for b in (4, 8)} | {
+        ("ours weaver", 4, 1), ("ours weaver", 4, 2), ("ours weaver", 8, 1), ("ours weaver", 8, 4)}
     assert got == want                                          # no compiled HF row and no CUDA graphs on the CPU
     for r in rows:
         assert r["new_tokens"] == n and r["tokens_per_s"] > 0 and r["ms_per_token"] > 0, r

@@ -17,7 +17,8 @@ warms up on every prompt); tokens/s = new tokens / wall seconds of the calls (pr
   ours ar             FastDecoder.generate_autoregressive, with and without CUDA graphs; `step_ms` = one decode step
   hf static eager     generate(cache_implementation="static", disable_compile=True)
   hf static compiled  the same with its forward under torch.compile(mode="reduce-overhead") (CUDA graphs; CUDA only)
-  ours chain|ddtree|weaver  FastDecoder at budgets 16/32/64 (chain: min(budget, L) drafts), with and without CUDA
+  ours chain|ddtree|weaver  FastDecoder at budgets 16/32/64 (chain: min(budget, L) drafts; Weaver at the width of
+                      each `--weaver-steps`, recorded as `width`), with and without CUDA
                       graphs; `step_ms` = one draft-tree-verify-commit step (one host sync per step), `stage_ms`
                       per step from a second pass with `profile=True` (a sync after each stage; their sum is
                       `profiled_step_ms`)
@@ -346,7 +347,7 @@ def ratios(rows, build: dict, budget: int, graphs: bool) -> dict:
     """The issue's ratios (None where a row is missing), each with its goal and whether it is met."""
     ar = find(rows, "ours ar", cuda_graphs=graphs)
     eager, compiled = find(rows, "hf static eager"), find(rows, "hf static compiled")
-    wv = find(rows, "ours weaver", budget=budget, cuda_graphs=graphs)
+    wv = find(rows, "ours weaver", budget=budget, cuda_graphs=graphs, width=-(-budget // 16))   # reference width
     div = lambda a, b: round(a / b, 4) if a is not None and b else None  # noqa: E731
     get = lambda r, k: r[k] if r else None  # noqa: E731
     vals = {"ar_over_hf_static_eager": div(get(ar, "ms_per_token"), get(eager, "ms_per_token")),
@@ -370,7 +371,8 @@ def table(result: dict) -> str:
              f"  stage ms/step"]
     for r in result["rows"]:
         stages = " ".join(f"{k} {v:.2f}" for k, v in r.get("stage_ms", {}).items())
-        lines.append(f"{r['engine']:<20}{str(r.get('budget') or ''):>7}{str(r.get('cuda_graphs', '')):>7}"
+        budget = str(r.get("budget") or "") + (f"/w{r['width']}" if "width" in r else "")
+        lines.append(f"{r['engine']:<20}{budget:>7}{str(r.get('cuda_graphs', '')):>7}"
                      f"{r['tokens_per_s']:>10.1f}{r['ms_per_token']:>9.3f}"
                      f"{(r['step_ms'] if 'step_ms' in r else float('nan')):>9.3f}"
                      f"{r.get('acceptance_length', 1.0):>8.2f}  {stages}")
@@ -418,6 +420,8 @@ def main(argv=None) -> int:
     ap.add_argument("--build-reps", type=int, default=50, help="timed tree builds")
     ap.add_argument("--weaver-rounds", type=int, help="rounds of the decoders' Weaver builds (default: the worst "
                     "case, trees equal the reference's; fewer may cut trees short)")
+    ap.add_argument("--weaver-steps", type=int, nargs="+", default=[16],
+                    help="Weaver rows at width ceil(budget / steps) for each value (16: the reference's width)")
     ap.add_argument("--check-prompts", type=int, default=2, help="greedy cross-check prompts (0: none)")
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -492,13 +496,16 @@ def main(argv=None) -> int:
                     print("hf static compiled failed:", errors["hf static compiled"])
         model.generation_config.eos_token_id = eos
         for proposal in ("chain", "ddtree", "weaver"):
-            for budget in args.budgets:
+            for budget, width in [(b, w) for b in args.budgets
+                                  for w in (sorted({-(-b // s) for s in args.weaver_steps}) if proposal == "weaver"
+                                            else [None])]:
                 for graphs in graph_modes:
                     dec = FastDecoder(target, drafter, weaver if proposal == "weaver" else None, tree_budget=budget,
-                                      proposal=proposal, max_seq_len=seq, cuda_graphs=graphs,
+                                      proposal=proposal, max_seq_len=seq, cuda_graphs=graphs, width=width,
                                       weaver_rounds=args.weaver_rounds)
                     call = lambda p, k, d=dec: (lambda o: (o.tokens, o.stats))(d.generate(p, k))  # noqa: E731
-                    row, _ = run_engine(f"ours {proposal}", call, prompts, n, dev, budget=budget, cuda_graphs=graphs)
+                    keys = dict(budget=budget, **({"width": width} if width else {}), cuda_graphs=graphs)
+                    row, _ = run_engine(f"ours {proposal}", call, prompts, n, dev, **keys)
                     dec.profile = True                                   # stage times: a second pass, synced
                     staged = [dec.generate(p, n).stats for p in prompts]
                     steps = sum(s.verify_steps for s in staged)

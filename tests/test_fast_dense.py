@@ -135,7 +135,8 @@ def test_profiled_stages_and_the_one_host_read(small_worlds):
     trees = plain.weaver_builder.result
     want = trees.tree(0)
     logits = torch.randn(want.num_nodes, 8)                               # the verify of the unpadded tree
-    tree, best = FastDecoder._host_tree(trees, logits)
+    tree, best, truncated = FastDecoder._host_tree(trees, logits)
+    assert truncated == bool(trees.truncated[0])
     for k in ("tokens", "parents", "depths", "draft_logprobs"):
         assert torch.equal(getattr(tree, k), getattr(want, k)), k
     assert tree.draft_logprobs.dtype == torch.float64
@@ -176,7 +177,7 @@ def test_trees_come_from_the_static_builders(small_worlds, monkeypatch, proposal
         assert dec.ddtree_builder is None and b.n == min(8, w.drafter.lookahead)
     builds = []
     real_build = b.build
-    monkeypatch.setattr(b, "build", lambda *a: builds.append(1) or real_build(*a))
+    monkeypatch.setattr(b, "build", lambda *a, **k: builds.append(1) or real_build(*a, **k))
     monkeypatch.setattr("tfm_runtime.engine.build_weaver_tree", None)      # the reference builders are not called
     monkeypatch.setattr("tfm_runtime.engine.build_ddtree", None)
     monkeypatch.setattr("tfm_runtime.engine.build_chain", None)
@@ -186,6 +187,26 @@ def test_trees_come_from_the_static_builders(small_worlds, monkeypatch, proposal
     assert len(builds) == out.stats.verify_steps
     if proposal != "chain":                           # random chains are rejected at once here
         assert max(out.stats.accept_lengths) >= 3
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_weaver_tree_finished_after_the_verify_is_verified_again(small_worlds, monkeypatch, padded):
+    """A first phase too short for every tree (R1 = 1 round). Padded (the CUDA-graph path), the build runs its
+    first phase only, the verify's one host read finds the tree truncated, the second phase completes it and the
+    tree is verified again; unpadded, the build completes it before the verify. Either way: the reference's tokens
+    and statistics."""
+    w = small_worlds["llama"]
+    kw = dict(tree_budget=16, proposal="weaver")
+    ref = SpeculativeDecoder(w.target, w.drafter, w.weaver, **kw).generate(SMALL_PROMPT, max_new_tokens=16)
+    dec = FastDecoder(w.target, w.drafter, w.weaver, max_seq_len=64, **kw)
+    dec.pad_trees = padded
+    dec.weaver_builder.first_rounds = 1
+    verifies, real = [], dec.runner.verify_tree
+    monkeypatch.setattr(dec.runner, "verify_tree", lambda *a: verifies.append(1) or real(*a))
+    out = dec.generate(SMALL_PROMPT, max_new_tokens=16)
+    assert out.tokens == ref.tokens and out.stats.accept_lengths == ref.stats.accept_lengths
+    assert out.stats.tree_sizes == ref.stats.tree_sizes
+    assert len(verifies) == out.stats.verify_steps * (2 if padded else 1)
 
 
 def test_ancestor_masks_equal_the_tree_s():

@@ -226,6 +226,13 @@ def test_the_second_phase_finishes_trees_that_need_short_rounds(monkeypatch):
     ref = build_weaver_trees(w, roots.tolist(), h, u, ids, logits, 24, embed_weight=E, lm_head_weight=W, expand=8,
                              width=8)
     assert_same(out, ref, TOL[torch.float64])
+    _, _, _, roots, h, u, ids, logits = world(5, B=2, L=6)          # every candidate valid: the first phase ends
+    calls.clear()                                                    # the trees, with no trace of the slots the
+    out = builder.build(roots, h, u, ids, logits)                    # last build's second phase filled
+    assert len(calls) == 1 + builder.first_rounds and not out.truncated.any()
+    ref = build_weaver_trees(w, roots.tolist(), h, u, ids, logits, 24, embed_weight=E, lm_head_weight=W, expand=8,
+                             width=8)
+    assert_same(out, ref, TOL[torch.float64])
 
 
 @pytest.mark.interpreter

@@ -150,7 +150,13 @@ class FastDecoder:
             out = runner.verify_tree(*nodes, start)
             best = None
             if tree is None:                                  # the tree on the host, for the verify rules
-                tree, best = self._host_tree(trees, out.logits if rule == "greedy" else None)
+                logits = (lambda o: o.logits if rule == "greedy" else None)      # noqa: E731
+                tree, best, truncated = self._host_tree(trees, logits(out))
+                if truncated and self._deferred(static):      # rare: the Weaver tree needs its second phase
+                    trees = static.finish()
+                    nodes = self._nodes(trees)
+                    out = runner.verify_tree(*nodes, start)
+                    tree, best, _ = self._host_tree(trees, logits(out))
             t = self._tick(stats, "verify", t)
             if rule == "greedy":
                 if best is None:
@@ -182,25 +188,36 @@ class FastDecoder:
             inputs = (root, draft_logits)
         if self.capture_trees and b._graph is None:
             b.capture(*inputs)
-        trees = b.build(*inputs)
+        trees = b.build(*inputs, finish=not self._deferred(b)) if b is self.weaver_builder else b.build(*inputs)
+        return trees, self._nodes(trees)
+
+    def _deferred(self, b) -> bool:
+        """Whether builder b's second phase waits for the verify's host read (`truncated` read with the tree): a
+        Weaver build with two phases whose trees go to the verify padded, i.e. with no host read before it."""
+        return b is self.weaver_builder and self.pad_trees and b.first_rounds < b.rounds
+
+    def _nodes(self, trees):
+        """-> the tree's (tokens [n], depths [n], ancestor mask [n, n]) on the device (see `_static_tree`)."""
         n = trees.tokens.shape[1] if self.pad_trees else int(trees.num_nodes[0])
         anc = ancestor_masks(trees.parents[:, :n], self.drafter.lookahead)[0]               # [n, n]
-        return trees, (trees.tokens[0, :n], trees.depths[0, :n], anc)
+        return trees.tokens[0, :n], trees.depths[0, :n], anc
 
     @staticmethod
-    def _host_tree(trees, logits: torch.Tensor | None) -> tuple[Tree, torch.Tensor | None]:
-        """Row 0 of `trees` as a host Tree and, given the verify's logits [n, V] (n <= N+1 rows, node order), the
-        target's argmax per node [num_nodes]: one device-to-host copy (log q travels as its float64 bits)."""
+    def _host_tree(trees, logits: torch.Tensor | None) -> tuple[Tree, torch.Tensor | None, bool]:
+        """Row 0 of `trees` as a host Tree, given the verify's logits [n, V] (n <= N+1 rows, node order) the
+        target's argmax per node [num_nodes], and whether the tree is `truncated`: one device-to-host copy (log q
+        travels as its float64 bits)."""
+        count = torch.stack([trees.num_nodes[0], trees.truncated[0].long()])           # [2]
         rows = [trees.tokens[0], trees.parents[0], trees.depths[0], trees.draft_logprobs[0].view(torch.long),
-                trees.num_nodes.expand_as(trees.tokens[0])]                            # 5 x [N+1]
+                torch.nn.functional.pad(count, (0, trees.tokens.shape[1] - 2))]         # 5 x [N+1]
         if logits is not None:
             best = logits.argmax(-1)                                                   # [n]
             rows.append(torch.nn.functional.pad(best, (0, rows[0].numel() - best.numel())))
         host = torch.stack(rows).cpu()                                                 # [5 or 6, N+1]
-        n = int(host[4, 0])
+        n, truncated = host[4, :2].tolist()
         tree = Tree(tokens=host[0, :n], parents=host[1, :n], depths=host[2, :n],
                     draft_logprobs=host[3, :n].view(torch.float64))
-        return tree, (host[5, :n] if logits is not None else None)
+        return tree, (host[5, :n] if logits is not None else None), bool(truncated)
 
     @torch.no_grad()
     def generate_autoregressive(self, prompt_ids, max_new_tokens: int = 256,

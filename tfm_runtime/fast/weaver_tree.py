@@ -182,29 +182,40 @@ class StaticWeaverTreeBuilder:
                                   self.draft_logprobs[:, : N + 1], self.num_nodes, self.truncated)
         self._graph = None                                # (first phase, second phase or None) once captured
         self._graph_inputs: tuple[torch.Tensor, ...] | None = None
+        self._last_inputs: tuple[torch.Tensor, ...] | None = None     # the eager build's inputs, for `finish`
 
     # ---- public --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def build(self, roots: torch.Tensor, h_final: torch.Tensor, dflash_hidden: torch.Tensor, cand_ids: torch.Tensor,
-              cand_logits: torch.Tensor) -> WeaverTrees:
+              cand_logits: torch.Tensor, finish: bool = True) -> WeaverTrees:
         """roots [B] long; h_final [B, H]; dflash_hidden [B, L, H]; cand_ids/cand_logits [B, L, K] (DFlash top-K,
-        raw logits) -> WeaverTrees (views of the builder's buffers). Replays the CUDA graph after `capture`."""
+        raw logits) -> WeaverTrees (views of the builder's buffers). Replays the CUDA graph after `capture`.
+        `finish=False`: the first phase only, with no host read; trees it leaves `truncated` are completed by
+        `finish()`, so that a caller can read `truncated` together with its own results (FastDecoder: with the
+        verify of the tree, which it repeats in the rare case that the tree was unfinished)."""
         inputs = (roots, h_final, dflash_hidden, cand_ids, cand_logits)
         self._check(inputs)
         if self._graph is None:
             self._first(*inputs)
-            if self.first_rounds < self.rounds and bool(self.truncated.any()):
-                self._second(*inputs)
+            self._last_inputs = inputs
         else:
             for dst, src in zip(self._graph_inputs, inputs):
                 if dst.dtype != src.dtype or dst.shape != src.shape:
                     raise ValueError(f"captured with {dst.dtype} {tuple(dst.shape)}, "
                                      f"got {src.dtype} {tuple(src.shape)}")
                 dst.copy_(src)
-            first, second = self._graph
-            first.replay()
-            if second is not None and bool(self.truncated.any()):
-                second.replay()
+            self._graph[0].replay()
+        return self.finish() if finish else self.result
+
+    @torch.no_grad()
+    def finish(self) -> WeaverTrees:
+        """The second phase of the last build, for the trees its first phase left unfinished (one host read of
+        `truncated`; nothing runs when every tree is finished or R1 = R)."""
+        if self.first_rounds < self.rounds and bool(self.truncated.any()):
+            if self._graph is None:
+                self._second(*self._last_inputs)
+            else:
+                self._graph[1].replay()
         return self.result
 
     @torch.no_grad()
@@ -262,6 +273,7 @@ class StaticWeaverTreeBuilder:
         self.slot_int[:, 0, 1].copy_(roots)
         self.slot_int[:, 0, 2].fill_(0)
         self.slot_flt[:, 0].zero_()
+        self.slot_placed.zero_()                          # slots an earlier build's second phase filled
         self.slot_placed[:, 0].fill_(True)
         self.count.fill_(1)
         root = roots[:, None]                                                  # [B, 1]

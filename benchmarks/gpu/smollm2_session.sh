@@ -44,7 +44,7 @@ case ${STEP:-1} in
       tests/test_kernels_rms_norm_rope.py tests/test_kernels_weaver_frontier.py >"$OUT/tests.log" 2>&1
     echo "tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/session.txt"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
-    timeout "$(left 400)" python3 -m benchmarks.runtime.runtime_bench --prompts 2 --new-tokens 64 --budgets 16 32 64 \
+    [ "${TESTS_ONLY:-0}" = 1 ] || timeout "$(left 400)" python3 -m benchmarks.runtime.runtime_bench --prompts 2 --new-tokens 64 --budgets 16 32 64 \
       --graphs on --weaver-steps 16 8 4 --build-reps 10 --check-prompts 1 --out "$OUT/runtime_random.json" \
       >"$OUT/bench_random.log" 2>&1
     echo "bench random: exit $? ($(( $(date +%s) - T0 )) s)"; sed -n '/^engine /,$p' "$OUT/bench_random.log" | cut -c1-250 ;;

@@ -37,7 +37,6 @@ def test_default_width_rows_equal_the_acceptance_bench(tmp_path):
         assert rows[1][k] == ref[k], k                          # steps 16 at budget 8: the default width 1
 
 
-
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_wider_steps_walk_as_the_decoder_decodes(family):
     """At each width the walk along the greedy continuation (reference and shape-static trees) gives the decoder's

@@ -66,6 +66,12 @@ class _Growing:
 
 
 @torch.no_grad()
+def step_width(budget: int, steps: int = 16) -> int:
+    """Nodes per Weaver step for a tree of `budget` nodes built in about `steps` steps: ceil(budget / steps), at
+    least 1 (16 steps: the authors' default width)."""
+    return max(1, math.ceil(budget / steps))
+
+
 def build_weaver_trees(weaver: Weaver, roots: list[int], h_final: torch.Tensor, dflash_hidden: torch.Tensor,
                        cand_ids: torch.Tensor, cand_logits: torch.Tensor, budget: int, *,
                        embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, expand: int = 8,
@@ -78,7 +84,7 @@ def build_weaver_trees(weaver: Weaver, roots: list[int], h_final: torch.Tensor, 
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     L = min(L, weaver.cfg.lookahead)
-    width = width or max(1, math.ceil(budget / 16))
+    width = width or step_width(budget)
     dev = h_final.device
     state = weaver.prefix(h_final, dflash_hidden[:, :L])
     trees = [_Growing(r) for r in roots]

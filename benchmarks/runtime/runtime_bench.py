@@ -45,6 +45,7 @@ import time
 import torch
 
 from benchmarks.common import env, write_results
+from tfm_runtime.weaver_tree import step_width
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(ROOT, "benchmarks", "data")
@@ -347,7 +348,7 @@ def ratios(rows, build: dict, budget: int, graphs: bool) -> dict:
     """The issue's ratios (None where a row is missing), each with its goal and whether it is met."""
     ar = find(rows, "ours ar", cuda_graphs=graphs)
     eager, compiled = find(rows, "hf static eager"), find(rows, "hf static compiled")
-    wv = find(rows, "ours weaver", budget=budget, cuda_graphs=graphs, width=-(-budget // 16))   # reference width
+    wv = find(rows, "ours weaver", budget=budget, cuda_graphs=graphs, width=step_width(budget))   # default width
     div = lambda a, b: round(a / b, 4) if a is not None and b else None  # noqa: E731
     get = lambda r, k: r[k] if r else None  # noqa: E731
     vals = {"ar_over_hf_static_eager": div(get(ar, "ms_per_token"), get(eager, "ms_per_token")),
@@ -496,9 +497,8 @@ def main(argv=None) -> int:
                     print("hf static compiled failed:", errors["hf static compiled"])
         model.generation_config.eos_token_id = eos
         for proposal in ("chain", "ddtree", "weaver"):
-            for budget, width in [(b, w) for b in args.budgets
-                                  for w in (sorted({-(-b // s) for s in args.weaver_steps}) if proposal == "weaver"
-                                            else [None])]:
+            configs = [(b, w) for b in args.budgets for w in sorted({step_width(b, s) for s in args.weaver_steps})]
+            for budget, width in configs if proposal == "weaver" else [(b, None) for b in args.budgets]:
                 for graphs in graph_modes:
                     dec = FastDecoder(target, drafter, weaver if proposal == "weaver" else None, tree_budget=budget,
                                       proposal=proposal, max_seq_len=seq, cuda_graphs=graphs, width=width,

@@ -17,7 +17,6 @@ its siblings' children. This measures both sides at each budget and step count S
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
@@ -29,6 +28,7 @@ from benchmarks.runtime.acceptance import Tally, add_world_arguments, chat_ids, 
 from benchmarks.runtime.runtime_bench import median_ms
 from tfm_runtime.acceptance import StaticWalkTrees, continuations, trajectory, walk
 from tfm_runtime.engine import SpeculativeDecoder
+from tfm_runtime.weaver_tree import step_width
 
 
 def widths(budgets: list[int], steps: list[int]) -> list[tuple[int, int, int]]:
@@ -37,7 +37,7 @@ def widths(budgets: list[int], steps: list[int]) -> list[tuple[int, int, int]]:
     for b in budgets:
         seen = set()
         for s in steps:
-            w = max(1, math.ceil(b / s))
+            w = step_width(b, s)
             if w not in seen:
                 seen.add(w)
                 out.append((b, s, w))

@@ -150,13 +150,12 @@ class FastDecoder:
             out = runner.verify_tree(*nodes, start)
             best = None
             if tree is None:                                  # the tree on the host, for the verify rules
-                logits = (lambda o: o.logits if rule == "greedy" else None)      # noqa: E731
-                tree, best, truncated = self._host_tree(trees, logits(out))
+                greedy = rule == "greedy"                     # the argmax travels with the tree
+                tree, best, truncated = self._host_tree(trees, out.logits if greedy else None)
                 if truncated and self._deferred(static):      # rare: the Weaver tree needs its second phase
                     trees = static.finish()
-                    nodes = self._nodes(trees)
-                    out = runner.verify_tree(*nodes, start)
-                    tree, best, _ = self._host_tree(trees, logits(out))
+                    out = runner.verify_tree(*self._nodes(trees), start)
+                    tree, best, _ = self._host_tree(trees, out.logits if greedy else None)
             t = self._tick(stats, "verify", t)
             if rule == "greedy":
                 if best is None:

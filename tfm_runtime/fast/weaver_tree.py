@@ -77,6 +77,7 @@ from tfm_kernels.weaver_frontier import place_ref, push_ref
 from tfm_kernels.weaver_frontier import push as fused_push
 from tfm_runtime.models.weaver import Weaver, WeaverState
 from tfm_runtime.tree import Tree
+from tfm_runtime.weaver_tree import step_width
 
 
 def weaver_tree_rounds(budget: int, width: int, lookahead: int) -> int:
@@ -135,7 +136,7 @@ class StaticWeaverTreeBuilder:
                  device=None, dtype=None):
         if budget < 1 or (rounds is not None and rounds < 1):
             raise ValueError(f"budget and rounds must be >= 1, got budget={budget}, rounds={rounds}")
-        width = width or max(1, math.ceil(budget / 16))
+        width = width or step_width(budget)
         if min(width, expand, K, L, batch) < 1 or min(L, weaver.cfg.lookahead) < 1:
             raise ValueError(f"width, expand, K, L, batch and the Weaver lookahead must be >= 1, got width={width}, "
                              f"expand={expand}, K={K}, L={L}, batch={batch}, lookahead={weaver.cfg.lookahead}")

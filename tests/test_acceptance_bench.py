@@ -142,3 +142,41 @@ def test_a_t1_phase_stopped_part_way_resumes_after_its_last_row(prompts_dir, tmp
     assert t1(resumed)[1]["acceptance_length"] == 99.0
     t1(resumed)[1]["acceptance_length"] = t1(straight)[1]["acceptance_length"]
     assert t1(resumed) == t1(straight)
+
+
+def test_a_walk_phase_stopped_part_way_resumes_after_its_last_group(prompts_dir, tmp_path, monkeypatch):
+    """A walk phase saves its tallies after each group of prompts; a resumed run continues after the last saved
+    group and its rows equal those of a run never stopped. A saved part of other settings is not reused."""
+    args = ARGS + ["--prompts-dir", prompts_dir, "--datasets", "mtbench", "--check-prompts", "0", "--limit", "3",
+                   "--group", "1"]
+    whole = str(tmp_path / "whole.json")
+    acceptance.main(args + ["--out", whole])
+    out = str(tmp_path / "stopped.json")
+    write, calls = acceptance.write_results, []
+
+    def stop_after_two_groups(path, result):
+        write(path, result)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(acceptance, "write_results", stop_after_two_groups)
+    with pytest.raises(KeyboardInterrupt):
+        acceptance.main(args + ["--out", out])
+    monkeypatch.undo()
+    stopped = json.load(open(out))
+    part = stopped["walk_partial"]
+    assert stopped["finished"] == [] and stopped["rows"] == [] and (part["phase"], part["next"]) == ("t0", 2)
+    assert all(t["steps"] > 0 and len(t["per_request"]) == 2 for _, t in part["tallies"])
+
+    acceptance.main(args + ["--out", out, "--resume"])
+    resumed, straight = json.load(open(out)), json.load(open(whole))
+    assert resumed["walk_partial"] is None and resumed["finished"] == straight["finished"] == [["t0", "mtbench"]]
+    assert resumed["rows"] == straight["rows"]
+    assert resumed["candidate_hit_rate_by_depth"] == straight["candidate_hit_rate_by_depth"]
+
+    stopped["walk_partial"]["tallies"][0][1]["tokens"] = 10 ** 6   # a saved part of another group size: not used
+    with open(out, "w") as f:
+        json.dump(stopped, f)
+    acceptance.main(args[:-1] + ["3", "--out", out, "--resume"])
+    regrouped = json.load(open(out))
+    assert [r["new_tokens"] for r in regrouped["rows"]] == [r["new_tokens"] for r in straight["rows"]]

@@ -65,6 +65,6 @@ case ${STEP:-1} in
       --adapter assets/smollm2-135m-instruct/weaver --prompts-dir /root/work/prompts --limit 32 --group 32 \
       --no-progress --out "$OUT/weaver_width.json" >"$OUT/width.log" 2>&1
     echo "width: exit $? ($(( $(date +%s) - T0 )) s)"; tail -14 "$OUT/width.log" | cut -c1-250 ;;
-4)  acc "$(left 570)" ;;
+4)  acc "$(left ${ACC_S:-570})" ;;
 esac
 echo "step ${STEP:-1} done ($(( $(date +%s) - T0 )) s)"

@@ -99,16 +99,21 @@ def configs(args, weavers: dict) -> list[tuple[str, int, str | None]]:
 class Tally:
     """Per-request acceptance lengths and per-depth counts of one row."""
 
-    def __init__(self, L: int):
-        self.per_request, self.tokens, self.steps, self.sizes = [], 0, 0, []
+    def __init__(self, L: int, state: dict | None = None):
+        self.per_request, self.tokens, self.steps, self.size_sum = [], 0, 0, 0
         self.reached, self.accepted = [0] * L, [0] * L
+        if state:                                            # saved by `state()` part way through a phase
+            self.__dict__.update(state)
+
+    def state(self) -> dict:
+        return dict(vars(self))
 
     def add(self, accepted: list[int], sizes: list[int]) -> None:
         if accepted:
             self.per_request.append(sum(accepted) / len(accepted))
         self.tokens += sum(accepted)
         self.steps += len(accepted)
-        self.sizes += sizes
+        self.size_sum += sum(sizes)
         for a in accepted:
             for d in range(len(self.reached)):
                 self.reached[d] += a - 1 >= d                # the step reached depth d (0-based: depth d + 1)
@@ -117,7 +122,7 @@ class Tally:
     def row(self, **keys) -> dict:
         return {**keys, "prompts": len(self.per_request), "new_tokens": self.tokens, "verify_steps": self.steps,
                 "acceptance_length": round(sum(self.per_request) / max(1, len(self.per_request)), 4),
-                "mean_tree_size": round(sum(self.sizes) / max(1, len(self.sizes)), 2),
+                "mean_tree_size": round(self.size_sum / max(1, self.steps), 2),
                 "accept_rate_by_depth": [round(a / r, 4) if r else None for a, r in zip(self.accepted, self.reached)]}
 
 
@@ -137,7 +142,8 @@ def run(args, done: dict | None = None, save=None) -> dict:
     decoder's own T = 1 output walked), then T = 1 traversal decoding of the Weaver. Phases recorded as finished in
     `done` (an earlier result of the same command) are kept as they are, and `save(result)` is called after each
     phase of each dataset and after each traversal row (`t1_partial` names the rows of an unfinished traversal
-    phase), so a run stopped part way keeps what it finished."""
+    phase) and after each group of a walk phase (`walk_partial`), so a run stopped part way keeps what it
+    finished."""
     target, drafter, weavers, tok, world = load_world(args)
     args.block = drafter.cfg.block_size
     pools = {w.cfg.candidate_pool for w in weavers.values()}
@@ -169,12 +175,23 @@ def run(args, done: dict | None = None, save=None) -> dict:
         conts = continuations(target, ids, n + L, batch=args.group, temperature=temperature, seed=args.seed + first)
         return ids, [trajectory(target, drafter, p, n, c) for p, c in zip(ids, conts)]
 
-    def walk_rows(name, records, temperature):
-        """All configurations walked along `records`' trajectories at `temperature`, `group` in lockstep."""
-        tallies = {c: Tally(L) for c in configs(args, weavers)}
-        hit, seen = torch.zeros(L), 0
-        bar = tqdm(total=len(records), desc=f"{name} T={temperature:g}", disable=args.no_progress)
-        for lo in range(0, len(records), args.group):
+    def walk_rows(phase, name, records, temperature):
+        """All configurations walked along `records`' trajectories at `temperature`, `group` in lockstep. The
+        tallies are saved after each group (`walk_partial`); a resumed run continues after the last saved group
+        (each group's trajectories are seeded by its first prompt, so the rows equal those of a run never stopped)."""
+        where = {"phase": phase, "dataset": name, "group": args.group, "prompts": len(records),
+                 "configs": [list(c) for c in configs(args, weavers)]}
+        part = result.get("walk_partial") or {}
+        if part and {k: part.get(k) for k in where} != where:
+            print(f"the saved part of {part.get('phase')}/{part.get('dataset')} (group {part.get('group')}, "
+                  f"{part.get('prompts')} prompts, its configurations) is not this run's {phase}/{name}: "
+                  "that phase starts again", file=sys.stderr)
+            part = {}
+        saved = {tuple(c): st for c, st in part.get("tallies", [])}
+        tallies = {c: Tally(L, saved.get(c)) for c in configs(args, weavers)}
+        hit, seen, first = torch.tensor(part.get("hit", [0.0] * L)), part.get("seen", 0), part.get("next", 0)
+        bar = tqdm(total=len(records), initial=first, desc=f"{name} T={temperature:g}", disable=args.no_progress)
+        for lo in range(first, len(records), args.group):
             _, trajs = trajectories(records[lo:lo + args.group], temperature, lo)
             for traj in trajs:
                 y = torch.tensor(traj.tokens, device=traj.draft_logits.device)
@@ -186,7 +203,12 @@ def run(args, done: dict | None = None, save=None) -> dict:
                 for accepted, sizes in walks(*config, trajs, temperature):
                     tally.add(accepted, sizes)
             bar.update(len(trajs))
+            result["walk_partial"] = {**where, "next": lo + len(trajs), "hit": hit.tolist(), "seen": seen,
+                                      "tallies": [[list(c), t.state()] for c, t in tallies.items()]}
+            if save and lo + len(trajs) < len(records):
+                save(result)
         bar.close()
+        result["walk_partial"] = None
         for (proposal, budget, adapter), tally in tallies.items():
             rows.append(tally.row(dataset=name, temperature=temperature, proposal=proposal, budget=budget,
                                   adapter=adapter, verification="greedy" if temperature == 0 else "target_only",
@@ -244,7 +266,8 @@ def run(args, done: dict | None = None, save=None) -> dict:
     checks = {"t0": dict(done.get("crosscheck_t0", {})), "t1": dict(done.get("crosscheck_t1", {}))}
     result = {"world": world, "max_new_tokens": n, "candidate_pool": K, "rows": rows, "finished": finished,
               "candidate_hit_rate_by_depth": hits["t0"], "candidate_hit_rate_by_depth_t1": hits["t1"],
-              "crosscheck_t0": checks["t0"], "crosscheck_t1": checks["t1"], "t1_partial": t1_partial}
+              "crosscheck_t0": checks["t0"], "crosscheck_t1": checks["t1"], "t1_partial": t1_partial,
+              "walk_partial": done.get("walk_partial")}
     sets = {name: recs[:args.limit] if args.limit else recs for name, recs in datasets(args).items()}
     phases = [("t0", name) for name in sets] + [("check", name) for name in sets if args.check_prompts]
     if args.t1:
@@ -255,7 +278,7 @@ def run(args, done: dict | None = None, save=None) -> dict:
             continue
         records = sets[name]
         if phase in ("t0", "t1_walk"):
-            walk_rows(name, records, 0.0 if phase == "t0" else 1.0)
+            walk_rows(phase, name, records, 0.0 if phase == "t0" else 1.0)
         elif phase == "check":
             check_t0(name, records[:args.check_prompts])
         elif phase == "check_t1":
@@ -391,7 +414,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="results JSON")
     ap.add_argument("--plot", help="PNG of acceptance length against tree budget")
     ap.add_argument("--resume", action="store_true", help="keep what --out records as finished (it is written after "
-                    "each dataset's phase and each traversal row) and run the rest")
+                    "each group of a dataset's walk, each phase and each traversal row) and run the rest")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     args.group = args.group or (16 if args.device.startswith("cuda") else 2)

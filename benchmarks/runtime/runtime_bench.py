@@ -8,9 +8,10 @@ World: SmolLM2-135M (a prepared target folder with --target; else random weights
 benchmarks/data/smollm2_135m_config.json), its DFlash drafter (--drafter, else the committed
 assets/smollm2-135m-instruct/dflash-b16, else random in that shape) and a Weaver (--adapter, else random in the
 SmolLM2 recipe's shape, recipes/smollm2/train_weaver.yaml, candidate pool of collect_anchors.yaml). Batch 1, T = 0,
-`--new-tokens` per prompt with EOS ignored, prompts: the first `--prompts` MT-Bench questions chat-templated (by the
-target's tokenizer when the package data and the tokenizer are at hand; else, for SmolLM2, the committed token ids
-benchmarks/data/smollm2_mtbench_ids.json), else the committed benchmarks/data/smollm2_prompts.json.
+`--new-tokens` per prompt with EOS ignored, prompts: the first `--prompts` of `--prompt-file`, else of MT-Bench's
+first turns, chat-templated (by the target's tokenizer when the package data and the tokenizer are at hand; else,
+for SmolLM2, the committed token ids benchmarks/data/smollm2_mtbench_ids.json), else the committed
+benchmarks/data/smollm2_prompts.json.
 
 Rows (`engine`): every engine decodes the same prompts after one warm-up call (its time: `first_call_s`; compiled HF
 warms up on every prompt); tokens/s = new tokens / wall seconds of the calls (prefill included), ms/token its inverse.
@@ -117,14 +118,18 @@ def load_world(args, dev: torch.device, dtype: torch.dtype) -> tuple:
     return target, drafter, weaver, desc
 
 
-def mtbench_ids(target: str | None, n: int) -> list[list[int]]:
-    """The first n MT-Bench first turns, chat-templated and tokenized by the target's tokenizer (default SmolLM2's);
-    needs the tokenizer and the MT-Bench package data."""
-    from benchmarks.runtime.acceptance import chat_ids
+def mtbench_ids(target: str | None, n: int, prompt_file: str | None = None) -> list[list[int]]:
+    """The first n MT-Bench first turns (or records of `prompt_file`, a .jsonl of {"prompt": ...} or chat
+    {"messages": [...]}), chat-templated and tokenized by the target's tokenizer (default SmolLM2's); needs the
+    tokenizer and, without `prompt_file`, the MT-Bench package data."""
+    from benchmarks.runtime.acceptance import chat_ids, read_jsonl
     from pipelines.prompts import mtbench
     from tfm_runtime.loading import load_tokenizer
     tok = load_tokenizer(target or SMOLLM2)
-    return [chat_ids(tok, r) for r in mtbench()[:n]]
+    records = read_jsonl(prompt_file) if prompt_file else mtbench()
+    if len(records) < n:
+        raise ValueError(f"{prompt_file or 'MT-Bench'} has {len(records)} prompts, --prompts asks for {n}")
+    return [chat_ids(tok, r) for r in records[:n]]
 
 
 def load_prompts(args, vocab: int) -> tuple[list[list[int]], str]:
@@ -133,6 +138,8 @@ def load_prompts(args, vocab: int) -> tuple[list[list[int]], str]:
     if args.smoke:
         g = torch.Generator().manual_seed(0)
         return [torch.randint(0, vocab - 1, (12,), generator=g).tolist() for _ in range(args.prompts)], "random"
+    if args.prompt_file:                                  # asked for by name: no fallback
+        return mtbench_ids(args.target, args.prompts, args.prompt_file), f"{args.prompt_file} (chat template)"
     try:
         return mtbench_ids(args.target, args.prompts), "mtbench (first turns, chat template)"
     except Exception as e:  # noqa: BLE001 - no tokenizer or package data here: the committed token ids
@@ -414,6 +421,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", help="DFlash drafter folder (default: the committed SmolLM2 drafter, else random)")
     ap.add_argument("--adapter", help="Weaver folder or Hub id (default: random, the SmolLM2 recipe's shape)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per engine")
+    ap.add_argument("--prompt-file", help="a .jsonl of {\"prompt\": ...} or chat {\"messages\": [...]} to take the "
+                    "prompts from, tokenized by the target's tokenizer (default: MT-Bench's first turns)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--graphs", choices=["both", "on", "off"], default="both",

@@ -1,6 +1,7 @@
 """The Weaver build's frontier steps in one Triton launch each against their torch references
 (tfm_kernels.weaver_frontier): every buffer they write equal. place: random frontiers with ties, invalid entries, a
-budget that runs out, and the last round (nothing expands); push: log q with -inf and NaN, slots that do not expand,
+budget that runs out, and the last round (nothing expands), the ranking it writes (`perm`) equal to torch's
+stable sort; push: log q with -inf and NaN, slots that do not expand,
 a step narrower than the frontier's width (the root's). CPU runs use the Triton interpreter."""
 import math
 
@@ -18,7 +19,7 @@ def buffers(seed, B, N, W, E, R, filled):
     score = torch.randint(-4, 1, (B, M), generator=g).double()                              # many ties
     score[torch.rand(B, M, generator=g) < 0.3] = -math.inf                                  # invalid entries
     front_flt = torch.stack([score, torch.randn(B, M, generator=g, dtype=torch.float64)], -1)
-    perm = torch.sort(score, dim=1, descending=True, stable=True).indices
+    perm = torch.randint(0, M, (B, M), generator=g)                                          # written by place
     slot_int, slot_flt = torch.randint(0, 9, (B, P, 3), generator=g), torch.randn(B, P, 2, generator=g).double()
     slot_placed = torch.rand(B, P, generator=g) < 0.5
     count = torch.tensor([filled, N + 1 - 1, N + 1][:B])                                    # room for all, 1, none

@@ -7,10 +7,11 @@ import torch
 
 def place_ref(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, out, s0: int,
               budget: int, lookahead: int, expand: bool) -> None:
-    """Place the `width` best frontier entries into slots s0 .. s0+width-1 and keep the next `budget`, in place.
+    """Rank the frontier, place its `width` best entries into slots s0 .. s0+width-1 and keep the next `budget`, in
+    place.
 
     front_int [B, M, 3] long (parent slot, token, depth), front_flt [B, M, 2] f64 (score, log q): the frontier;
-    perm [B, M] long: its entries by rank (a stable sort by score, descending); slot_int [B, P, 3], slot_flt [B, P, 2],
+    perm [B, M] long, written: its entries by rank (a stable sort by score, descending); slot_int [B, P, 3], slot_flt [B, P, 2],
     slot_placed [B, P] bool: the placement slots; count [B] long: nodes placed so far; visible [B, S, S] bool: row s,
     the slots of the strict ancestors of the node in slot s (rows s0.. written when `expand`: the slot's parent's row
     and the parent itself, empty where the slot does not expand); out = (tok, dep [B, W] long, score [B, W] f64,
@@ -20,6 +21,7 @@ def place_ref(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count
     tok, dep, score, active = out
     B, W = tok.shape
     N, S = budget, visible.shape[-1]
+    perm.copy_(torch.sort(front_flt[:, :, 0], dim=1, descending=True, stable=True).indices)   # [B, M]
     take = perm[:, :W]                                                        # [B, W]
     ints = front_int.gather(1, take[..., None].expand(B, W, 3))               # [B, W, 3]
     flts = front_flt.gather(1, take[..., None].expand(B, W, 2))               # [B, W, 2]

@@ -1,8 +1,9 @@
 """The frontier steps of the shape-static Weaver tree build, each in one launch (Triton): one program per tree. The
 build runs both once per round, in sixteen or more sequential rounds, where launches are most of the time.
 
-`place` does what `ref.place_ref` does in about twenty-five torch launches: read the `width` best frontier entries
-(their order comes from a stable sort), write them to their placement slots, count the placed ones, keep the next
+`place` does what `ref.place_ref` does in a sort and about twenty-five torch launches: rank the frontier (each
+entry's rank in a stable sort of the scores, descending, counted: the entries that go before it), read the `width`
+best entries, write them to their placement slots, count the placed ones, keep the next
 `budget` entries at the head of the frontier, write the new slots' ancestor rows and the step's token, depth, score
 and active flags. `push` does what `ref.push_ref` does in about twelve: write the children of a Weaver step's slots
 into the frontier (parent, token, depth, log q, and score = the parent's score + log q in f64, -inf where invalid)
@@ -17,11 +18,23 @@ import triton.language as tl
 @triton.jit
 def weaver_place_kernel(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible,
                         tok, dep, score, active, s0, M, P, S, W, N, LOOKAHEAD, EXPAND,
-                        BW: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr):
+                        BW: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr):
     """Tree `program_id(0)`: shapes as `place` (row-major buffers, bool as int8)."""
     b = tl.program_id(0).to(tl.int64)
     o_w, o_n, o_s = tl.arange(0, BW), tl.arange(0, BN), tl.arange(0, BS)
     m_w, m_n = o_w < W, o_n < N
+    # rank: entry i goes after every higher score and every equal score of an earlier entry (a stable sort)
+    o_m = tl.arange(0, BM)
+    m_m = o_m < M
+    s_i = tl.load(front_flt + (b * M + o_m) * 2, mask=m_m, other=float("-inf"))                # [BM]
+    rank = tl.zeros([BM], dtype=tl.int32)
+    for j0 in range(0, M, BJ):
+        o_j = j0 + tl.arange(0, BJ)
+        s_j = tl.load(front_flt + (b * M + o_j) * 2, mask=o_j < M, other=float("-inf"))       # [BJ]
+        ahead = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (o_j[None, :] < o_m[:, None]))
+        rank += tl.sum((ahead & (o_j < M)[None, :]).to(tl.int32), axis=1)
+    tl.store(perm + b * M + rank, o_m.to(tl.int64), mask=m_m)                                 # perm[rank] = entry
+    tl.debug_barrier()
     # every read first: the keep below overwrites frontier rows that the slots read
     e = tl.load(perm + b * M + o_w, mask=m_w, other=0)                                       # [BW]
     par = tl.load(front_int + (b * M + e) * 3, mask=m_w, other=0)
@@ -81,7 +94,8 @@ def place(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, vi
     weaver_place_kernel[(B,)](front_int, front_flt, perm, slot_int, slot_flt, as_i8[0], count, as_i8[1],
                               tok, dep, score, as_i8[2], s0, M, P, S, W, budget, lookahead, int(expand),
                               BW=triton.next_power_of_2(W), BN=triton.next_power_of_2(budget),
-                              BS=triton.next_power_of_2(S), num_warps=4)
+                              BS=triton.next_power_of_2(S), BM=triton.next_power_of_2(M),
+                              BJ=min(32, triton.next_power_of_2(M)), num_warps=4)
 
 
 @triton.jit

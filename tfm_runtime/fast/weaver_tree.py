@@ -10,8 +10,8 @@ children (E = min(expand, K)). Here every tree runs the same fixed number R of r
 
     root step:  one Weaver step (width 1, K/V slot 0) on the root -> its children enter the frontier
     round r = 1 .. R:
-        rank:   a stable sort of the frontier by score, descending (rows are in insertion order, below); the
-                entries of rank < width are this round's `width` placement slots
+        rank:   each frontier entry's rank in a stable sort by score, descending (rows are in insertion order,
+                below); the entries of rank < width are this round's `width` placement slots
         place:  slot w becomes a node when its entry is valid and w < budget + 1 - count (the remaining budget)
         keep:   the entries of rank width .. width+budget-1 stay, in rank order; the rest can never be placed
                 (at most `budget` more nodes are ever placed and later entries only push them further down)
@@ -55,7 +55,7 @@ R rounds, S = 1 + (R-1) Wd K/V slots, P = 1 + R Wd placement slots, M = N + Wd E
     slot_flt                [B, P, 2] float64   placement slots (score, log q)
     slot_placed             [B, P] bool         the slot holds a node
     count                   [B] long            nodes placed so far (root included)
-    perm, ranked            [B, M] long, f64    scratch: perm[b, k] = the frontier entry of rank k, its score
+    perm                    [B, M] long         scratch: perm[b, k] = the frontier entry of rank k
     placed_out              4 x [B, Wd]         one round's slots: token, depth (0 where not active), score, active
     tokens, parents, depths [B, N+2] long       output nodes (column N+1 collects the writes of unplaced slots)
     draft_logprobs          [B, N+2] float64    output log q (root 0)
@@ -165,7 +165,6 @@ class StaticWeaverTreeBuilder:
         self.slot_placed = torch.zeros(B, P, device=dev, dtype=torch.bool)      # [B, P]
         self.count = torch.zeros(B, **long)                                     # [B]
         self.perm = torch.zeros(B, M, **long)                                   # [B, M]
-        self.ranked = torch.zeros(B, M, **f64)                                  # [B, M]
         self.tokens = torch.zeros(B, N + 2, **long)                             # [B, N+2]
         self.parents = torch.zeros(B, N + 2, **long)                            # [B, N+2]
         self.depths = torch.zeros(B, N + 2, **long)                             # [B, N+2]
@@ -311,11 +310,10 @@ class StaticWeaverTreeBuilder:
         """Rank the frontier (a stable sort by score, descending), place the first `width` entries into slots
         s0 .. s0+Wd-1, keep the next `budget`; when `expand`, write the slots' rows of `visible` (a slot sees its
         parent's ancestors and the parent; a slot that does not expand sees nothing). One launch of
-        `tfm_kernels.weaver_frontier` on CUDA (as `_push`), its torch reference elsewhere.
+        `tfm_kernels.weaver_frontier` on CUDA (ranking included; as `_push`), its torch reference elsewhere.
 
         Returns the slots' token and depth [B, Wd] long (0, padding, where the slot does not expand), score [B, Wd]
         f64 and active [B, Wd] bool (placed at a depth that still has a candidate row: it expands next step)."""
-        torch.sort(self.front_flt[:, :, 0], dim=1, descending=True, stable=True, out=(self.ranked, self.perm))
         place = fused_place if self.fused_frontier else place_ref
         place(self.front_int, self.front_flt, self.perm, self.slot_int, self.slot_flt, self.slot_placed, self.count,
               self.visible, self.placed_out, s0, self.budget, self.L, expand)

@@ -96,6 +96,32 @@ def test_rope_qk_matches_float64_and_apply_rope(B, T, nh, hd, per_row):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("B,T,nh,hd", [(1, 4, 4, 64), (2, 3, 3, 6), (3, 1, 1, 2)])
+def test_rope_qk_by_position_into_a_cache(B, T, nh, hd):
+    """cos, sin from a table by position and k, v written into the slots of a larger cache (strided views): the
+    rotation of the gathered rows, and v the projection's v; the cache around the slots untouched."""
+    g = torch.Generator().manual_seed(B + T + hd)
+    for dtype in (torch.float32, torch.float16):
+        qkv = torch.randn(B, T, 3, nh, hd, generator=g).to(dtype)
+        cos_t, sin_t = rope_cos_sin(torch.arange(1, 18), hd, 1e4, dtype)                    # [17, hd] tables
+        pos = torch.randint(0, 17, (B, T), generator=g)
+        want_q, want_k = rope_qk(qkv, cos_t[pos], sin_t[pos])
+        kc, vc = (torch.randn(B, nh, T + 5, hd, generator=g).to(dtype) for _ in range(2))   # slots 2 .. 2+T-1
+        k_before, v_before = kc.clone(), vc.clone()
+        q, k = rope_qk(qkv, cos_t, sin_t, positions=pos, k_out=kc[:, :, 2:2 + T], v_out=vc[:, :, 2:2 + T])
+        assert torch.equal(q, want_q) and torch.equal(k, want_k) and k.data_ptr() == kc[:, :, 2:].data_ptr()
+        assert torch.equal(kc[:, :, 2:2 + T], want_k) and torch.equal(vc[:, :, 2:2 + T], qkv[:, :, 2].transpose(1, 2))
+        for c, before in ((kc, k_before), (vc, v_before)):
+            assert torch.equal(c[:, :, :2], before[:, :, :2]) and torch.equal(c[:, :, 2 + T:], before[:, :, 2 + T:])
+        q64, k64 = rope_qk_ref(qkv, cos_t[pos], sin_t[pos])
+        assert _rel(q, q64) < (1e-6 if dtype == torch.float32 else 2e-3)
+    with pytest.raises(ValueError, match="rope_qk expects positions"):
+        rope_qk(qkv, cos_t, sin_t, positions=pos.int())
+    with pytest.raises(ValueError, match="rope_qk expects k_out"):
+        rope_qk(qkv, cos_t, sin_t, positions=pos, k_out=kc[:, :, :T].transpose(2, 3))
+
+
+@pytest.mark.interpreter
 def test_bad_inputs():
     x, w, b = _rms_case((3, 8), torch.float32, "cpu", True)
     for args in ((x.double(), w.double(), None), (x, w[:4], b), (x, w, b.half()), (x[:, :0], w[:0], None)):

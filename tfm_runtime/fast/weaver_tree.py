@@ -56,6 +56,7 @@ R rounds, S = 1 + (R-1) Wd K/V slots, P = 1 + R Wd placement slots, M = N + Wd E
     slot_placed             [B, P] bool         the slot holds a node
     count                   [B] long            nodes placed so far (root included)
     perm                    [B, M] long         scratch: perm[b, k] = the frontier entry of rank k
+    cand_logits             [B, L, K] >= fp32   the input's candidate logits in the scoring's dtype
     placed_out              4 x [B, Wd]         one round's slots: token, depth (0 where not active), score, active
     tokens, parents, depths [B, N+2] long       output nodes (column N+1 collects the writes of unplaced slots)
     draft_logprobs          [B, N+2] float64    output log q (root 0)
@@ -165,6 +166,8 @@ class StaticWeaverTreeBuilder:
         self.slot_placed = torch.zeros(B, P, device=dev, dtype=torch.bool)      # [B, P]
         self.count = torch.zeros(B, **long)                                     # [B]
         self.perm = torch.zeros(B, M, **long)                                   # [B, M]
+        # the candidates' DFlash logits in the scoring's dtype (>= fp32), converted once per build, not per step
+        self.cand_logits = torch.zeros(B, L, K, device=dev, dtype=torch.promote_types(self.dtype, torch.float32))
         self.tokens = torch.zeros(B, N + 2, **long)                             # [B, N+2]
         self.parents = torch.zeros(B, N + 2, **long)                            # [B, N+2]
         self.depths = torch.zeros(B, N + 2, **long)                             # [B, N+2]
@@ -256,13 +259,13 @@ class StaticWeaverTreeBuilder:
     def _first(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """The first phase on the static buffers: reset, root step, rounds 1..R1, finish (a fixed op sequence)."""
         self._start(roots, h_final, dflash_hidden, cand_ids, cand_logits)
-        self._rounds(1, self.first_rounds, cand_ids, cand_logits)
+        self._rounds(1, self.first_rounds, cand_ids, self.cand_logits)
 
     @torch.no_grad()
     def _second(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """The second phase: rounds R1+1..R, finish (a no-op build when R1 = R)."""
         if self.first_rounds < self.rounds:
-            self._rounds(self.first_rounds + 1, self.rounds, cand_ids, cand_logits)
+            self._rounds(self.first_rounds + 1, self.rounds, cand_ids, self.cand_logits)
 
     def _start(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """Reset the buffers, then the root step."""
@@ -278,7 +281,8 @@ class StaticWeaverTreeBuilder:
         self.count.fill_(1)
         root = roots[:, None]                                                  # [B, 1]
         h = self.weaver.step(self.state, root, self.root_depth, self.visible[:, :1, :0], self.embed_weight)  # [B,1,r]
-        self._push(h, 0, self.root_depth, self.root_active, self.root_score, cand_ids, cand_logits)
+        self.cand_logits.copy_(cand_logits)
+        self._push(h, 0, self.root_depth, self.root_active, self.root_score, cand_ids, self.cand_logits)
 
     def _rounds(self, first: int, last: int, cand_ids, cand_logits) -> None:
         """Rounds first..last (each a fixed op sequence), then finish: node rows and `truncated`."""

@@ -117,17 +117,23 @@ class WeaverBlock(nn.Module):
         self.gate_up_proj = nn.Linear(r, 2 * cfg.mlp_dim)
         self.down_proj = nn.Linear(cfg.mlp_dim, r)
 
-    def qkv(self, x, cos, sin):
-        """x [B, T, r]; cos, sin [B, T, hd] or [T, hd] -> q, k, v [B, nh, T, hd] (q, k rotated; in CUDA inference by
-        one launch of `tfm_kernels.rope`)."""
+    def qkv(self, x, cos, sin, positions=None, k_out=None, v_out=None):
+        """x [B, T, r]; cos, sin [B, T, hd] or [T, hd], or tables [P, hd] read at positions [B, T] -> q, k, v
+        [B, nh, T, hd] (q, k rotated; in CUDA inference by one launch of `tfm_kernels.rope`). k_out, v_out
+        [B, nh, T, hd] (e.g. a static K/V cache's next slots): k and v are written there and returned as k, v."""
         B, T, r = x.shape
         qkv = self.qkv_proj(self.attn_norm(x)).view(B, T, 3, self.nh, r // self.nh)       # [B, T, 3, nh, hd]
         if inference_kernel_ok(qkv, cos, sin, self.qkv_proj.weight):
             from tfm_kernels.rope import rope_qk
-            q, k = rope_qk(qkv, cos, sin)
-            return q, k, qkv[:, :, 2].transpose(1, 2)
+            q, k = rope_qk(qkv, cos, sin, positions=positions, k_out=k_out, v_out=v_out)
+            return q, k, (qkv[:, :, 2].transpose(1, 2) if v_out is None else v_out)
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]                                    # [B, T, hd]
         q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k_out is not None:
+            k, v = k_out.copy_(k), v_out.copy_(v)
+        return q, k, v
 
     def finish(self, x, q, k, v, mask):
         """Attention of q over (k, v) with boolean mask [B, 1, T, S], then the MLP; residual adds."""
@@ -203,12 +209,21 @@ class WeaverState:
             self.k[layer] = torch.cat([self.k[layer], k], dim=2)
             self.v[layer] = torch.cat([self.v[layer], v], dim=2)
             return self.k[layer], self.v[layer]
-        start, end = self.prefix_len + self._nodes, self.prefix_len + self._nodes + k.shape[2]
-        if end > self.prefix_len + self.capacity:
+        k_new, v_new = self.slots(layer, k.shape[2])
+        k_new.copy_(k), v_new.copy_(v)
+        return self.keys(layer, k.shape[2])
+
+    def slots(self, layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Static state: views [B, nh, width, hd] of `layer`'s next `width` node slots (to be written in place)."""
+        start = self.prefix_len + self._nodes
+        if self.capacity is None or self._nodes + width > self.capacity:
             raise ValueError(f"static WeaverState holds {self.capacity} node slots, a step needs "
-                             f"{end - self.prefix_len}")
-        self.k[layer][:, :, start:end].copy_(k)
-        self.v[layer][:, :, start:end].copy_(v)
+                             f"{self._nodes + width}" if self.capacity else "slots needs a static WeaverState")
+        return self.k[layer][:, :, start:start + width], self.v[layer][:, :, start:start + width]
+
+    def keys(self, layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Static state: `layer`'s K/V over the prefix, the filled slots and the next `width` [B, nh, P+Nt+W, hd]."""
+        end = self.prefix_len + self._nodes + width
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def advance(self, width: int) -> None:
@@ -240,15 +255,15 @@ class Weaver(nn.Module):
     def _rope(self, pos: torch.Tensor, dtype):
         return rope_cos_sin(pos, self.cfg.d_rank // self.cfg.num_heads, self.cfg.rope_base, dtype)
 
-    def _node_rope(self, depths: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, W, hd] at positions depths + 1 (depths [B, W] in 0..lookahead), gathered from a table by depth
-        made once per device and dtype: the same values as `_rope`, two launches instead of ten per step."""
-        key = (depths.device, dtype)
+    def _node_rope(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin tables [lookahead+1, hd]: row d holds position d + 1, a node at depth d (the same values as
+        `_rope`), made once per device and dtype; a step reads them by depth (in CUDA inference inside the rotary
+        kernel)."""
+        key = (device, dtype)
         if key not in self._rope_tables:
-            pos = torch.arange(1, self.cfg.lookahead + 2, device=depths.device)            # depth d at position d + 1
+            pos = torch.arange(1, self.cfg.lookahead + 2, device=device)                  # depth d at position d + 1
             self._rope_tables[key] = self._rope(pos, dtype)                                # [lookahead+1, hd] each
-        cos, sin = self._rope_tables[key]
-        return cos[depths], sin[depths]
+        return self._rope_tables[key]
 
     # ---- inference: prefix once per round, then batched node steps ----------------------------------
     def prefix(self, h_final: torch.Tensor, u: torch.Tensor) -> WeaverState:
@@ -273,13 +288,17 @@ class Weaver(nn.Module):
         """
         B, W = tokens.shape
         x = self.token_in(self.embed_norm(F.embedding(tokens, embed_weight)))            # [B, W, r]
-        cos, sin = self._node_rope(depths, x.dtype)                                       # [B, W, hd]
+        cos, sin = self._node_rope(x.device, x.dtype)                                     # [lookahead+1, hd] each
         P, Nt = state.prefix_len, state.num_nodes
         eye = torch.eye(W, dtype=torch.bool, device=x.device).expand(B, W, W)
         mask = torch.cat([visible.new_ones(B, W, P), visible, eye], dim=-1)[:, None]      # [B, 1, W, P+Nt+W]
         for i, blk in enumerate(self.blocks):
-            q, k, v = blk.qkv(x, cos, sin)
-            ks, vs = state.append(i, k, v)                                                # [B, nh, P+Nt+W, hd]
+            if state.capacity is None:
+                q, k, v = blk.qkv(x, cos, sin, positions=depths)
+                ks, vs = state.append(i, k, v)                                            # [B, nh, P+Nt+W, hd]
+            else:                                     # k, v written straight into the static state's slots
+                q, _, _ = blk.qkv(x, cos, sin, depths, *state.slots(i, W))
+                ks, vs = state.keys(i, W)                                                 # [B, nh, P+Nt+W, hd]
             x = blk.finish(x, q, ks, vs, mask)
         state.advance(W)
         assert state.num_nodes == Nt + W

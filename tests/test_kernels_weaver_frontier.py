@@ -23,7 +23,7 @@ def buffers(seed, B, N, W, E, R, filled):
     slot_int, slot_flt = torch.randint(0, 9, (B, P, 3), generator=g), torch.randn(B, P, 2, generator=g).double()
     slot_placed = torch.rand(B, P, generator=g) < 0.5
     count = torch.tensor([filled, N + 1 - 1, N + 1][:B])                                    # room for all, 1, none
-    visible = torch.rand(B, S, S, generator=g) < 0.3
+    visible = (torch.rand(B, S, 3 + S, generator=g) < 0.3)[:, :, 3:]                      # rows apart, as the builder's
     out = (torch.full((B, W), 7), torch.full((B, W), 7), torch.zeros(B, W).double(),
            torch.zeros(B, W, dtype=torch.bool))
     return [front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, out]

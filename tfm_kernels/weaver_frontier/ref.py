@@ -13,8 +13,8 @@ def place_ref(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count
     front_int [B, M, 3] long (parent slot, token, depth), front_flt [B, M, 2] f64 (score, log q): the frontier;
     perm [B, M] long, written: its entries by rank (a stable sort by score, descending); slot_int [B, P, 3], slot_flt [B, P, 2],
     slot_placed [B, P] bool: the placement slots; count [B] long: nodes placed so far; visible [B, S, S] bool: row s,
-    the slots of the strict ancestors of the node in slot s (rows s0.. written when `expand`: the slot's parent's row
-    and the parent itself, empty where the slot does not expand); out = (tok, dep [B, W] long, score [B, W] f64,
+    the slots of the node in slot s's ancestors and itself (rows s0.. written when `expand`: the slot's parent's row,
+    the parent, and the slot itself; only itself where the slot does not expand); out = (tok, dep [B, W] long, score [B, W] f64,
     active [B, W] bool): the slots' token and depth (0 where not active), score, and whether the slot is a node at a
     depth < lookahead (it expands in the next Weaver step).
     """
@@ -38,8 +38,9 @@ def place_ref(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count
     if expand:
         par = ints[..., 0].clamp(min=0)                                       # [B, W]
         rows = visible.gather(1, par[..., None].expand(B, W, S))              # [B, W, S]
-        rows |= torch.arange(S, device=tok.device) == par[..., None]
-        visible[:, s0: s0 + W] = rows & act[..., None]
+        cols = torch.arange(S, device=tok.device)
+        rows |= cols == par[..., None]
+        visible[:, s0: s0 + W] = (rows & act[..., None]) | (cols == (s0 + slots)[:, None])
     tok.copy_(torch.where(act, ints[..., 1], 0))
     dep.copy_(torch.where(act, ints[..., 2], 0))
     score.copy_(flts[..., 0])

@@ -4,7 +4,7 @@ build runs both once per round, in sixteen or more sequential rounds, where laun
 `place` does what `ref.place_ref` does in a sort and about twenty-five torch launches: rank the frontier (each
 entry's rank in a stable sort of the scores, descending, counted: the entries that go before it), read the `width`
 best entries, write them to their placement slots, count the placed ones, keep the next
-`budget` entries at the head of the frontier, write the new slots' ancestor rows and the step's token, depth, score
+`budget` entries at the head of the frontier, write the new slots' attention rows (ancestors and itself) and the step's token, depth, score
 and active flags. `push` does what `ref.push_ref` does in about twelve: write the children of a Weaver step's slots
 into the frontier (parent, token, depth, log q, and score = the parent's score + log q in f64, -inf where invalid)
 and mark the rows after them invalid. Both only move and compare values, and add two f64 values as the reference
@@ -16,10 +16,11 @@ import triton.language as tl
 
 
 @triton.jit
-def weaver_place_kernel(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible,
+def weaver_place_kernel(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, vis_sb, vis_sr,
                         tok, dep, score, active, s0, M, P, S, W, N, LOOKAHEAD, EXPAND,
                         BW: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr):
-    """Tree `program_id(0)`: shapes as `place` (row-major buffers, bool as int8)."""
+    """Tree `program_id(0)`: shapes as `place` (row-major buffers but `visible`: strides vis_sb, vis_sr, 1; bool as
+    int8)."""
     b = tl.program_id(0).to(tl.int64)
     o_w, o_n, o_s = tl.arange(0, BW), tl.arange(0, BN), tl.arange(0, BS)
     m_w, m_n = o_w < W, o_n < N
@@ -53,7 +54,7 @@ def weaver_place_kernel(front_int, front_flt, perm, slot_int, slot_flt, slot_pla
     act = placed & (dp < LOOKAHEAD)
     pc = tl.maximum(par, 0)
     m_rows = m_w[:, None] & (o_s < S)[None, :]
-    rows = tl.load(visible + (b * S + pc[:, None]) * S + o_s[None, :], mask=m_rows & (pc < S)[:, None],
+    rows = tl.load(visible + b * vis_sb + pc[:, None] * vis_sr + o_s[None, :], mask=m_rows & (pc < S)[:, None],
                    other=0) != 0                                                              # [BW, BS]
     tl.debug_barrier()
     # then every write
@@ -71,8 +72,8 @@ def weaver_place_kernel(front_int, front_flt, perm, slot_int, slot_flt, slot_pla
     tl.store(front_flt + (b * M + o_n) * 2, k_sc, mask=m_n)
     tl.store(front_flt + (b * M + o_n) * 2 + 1, k_lq, mask=m_n)
     if EXPAND:
-        rows = (rows | (o_s[None, :] == pc[:, None])) & act[:, None]
-        tl.store(visible + (b * S + s0 + o_w[:, None]) * S + o_s[None, :], rows.to(tl.int8), mask=m_rows)
+        rows = ((rows | (o_s[None, :] == pc[:, None])) & act[:, None]) | (o_s[None, :] == (s0 + o_w)[:, None])
+        tl.store(visible + b * vis_sb + (s0 + o_w[:, None]) * vis_sr + o_s[None, :], rows.to(tl.int8), mask=m_rows)
     tl.store(tok + b * W + o_w, tl.where(act, tk, 0), mask=m_w)
     tl.store(dep + b * W + o_w, tl.where(act, dp, 0), mask=m_w)
     tl.store(score + b * W + o_w, sc, mask=m_w)
@@ -81,18 +82,20 @@ def weaver_place_kernel(front_int, front_flt, perm, slot_int, slot_flt, slot_pla
 
 def place(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, out, s0: int, budget: int,
           lookahead: int, expand: bool) -> None:
-    """`ref.place_ref` in one launch (arguments and shapes as there; every tensor contiguous, on one device)."""
+    """`ref.place_ref` in one launch (arguments and shapes as there; every tensor contiguous, on one device, but
+    `visible` may be a view with rows apart: its last dim contiguous)."""
     tok, dep, score, active = out
     B, W = tok.shape
     M, P, S = front_int.shape[1], slot_int.shape[1], visible.shape[-1]
-    ts = (front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, tok, dep, score, active)
+    ts = (front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, tok, dep, score, active)
     if (not all(t.is_contiguous() and t.device == tok.device for t in ts) or W + budget > M or s0 + W > P
-            or (expand and s0 + W > S)):
-        raise ValueError("place expects contiguous buffers on one device, width + budget <= M, s0 + width <= P and, "
-                         f"to expand, <= S; got width {W}, budget {budget}, M {M}, s0 {s0}, P {P}, S {S}")
+            or (expand and s0 + W > S) or visible.stride(-1) != 1 or visible.device != tok.device):
+        raise ValueError("place expects contiguous buffers on one device (visible: its last dim), width + budget <= "
+                         f"M, s0 + width <= P and, to expand, <= S; got width {W}, budget {budget}, M {M}, s0 {s0}, "
+                         f"P {P}, S {S}")
     as_i8 = [t.view(torch.int8) for t in (slot_placed, visible, active)]
     weaver_place_kernel[(B,)](front_int, front_flt, perm, slot_int, slot_flt, as_i8[0], count, as_i8[1],
-                              tok, dep, score, as_i8[2], s0, M, P, S, W, budget, lookahead, int(expand),
+                              visible.stride(0), visible.stride(1), tok, dep, score, as_i8[2], s0, M, P, S, W, budget, lookahead, int(expand),
                               BW=triton.next_power_of_2(W), BN=triton.next_power_of_2(budget),
                               BS=triton.next_power_of_2(S), BM=triton.next_power_of_2(M),
                               BJ=min(32, triton.next_power_of_2(M)), num_warps=4)

@@ -16,7 +16,7 @@ children (E = min(expand, K)). Here every tree runs the same fixed number R of r
         keep:   the entries of rank width .. width+budget-1 stay, in rank order; the rest can never be placed
                 (at most `budget` more nodes are ever placed and later entries only push them further down)
         step:   (r < R) one Weaver step over the `width` slots (K/V slots 1+(r-1)width ..): slot w sees the prefix,
-                its parent's visible slots plus the parent's slot, and itself; a slot that is not placed, or sits at
+                its parent's ancestors, the parent and itself (its row of `mask`, written by place); a slot that is not placed, or sits at
                 depth L, is padding (token 0, depth 0, sees nothing) as in the reference, and pushes nothing
         push:   slot w's top-E candidates of row depth enter the frontier as children (invalid where log q = -inf)
     finish:     placement slots -> node ids by a cumulative sum over slots (placement order = node order)
@@ -47,7 +47,9 @@ Tensors on the builder (B rows, N = budget, Wd = width, E = children per node, K
 R rounds, S = 1 + (R-1) Wd K/V slots, P = 1 + R Wd placement slots, M = N + Wd E frontier entries):
 
     state.k[i], state.v[i]  [B, nh, 1+L+S, hd]  Weaver K/V per layer (WeaverState.static): the prefix, then the slots
-    visible                 [B, S, S] bool      row s: the K/V slots of the strict ancestors of the node in slot s
+    mask                    [B, S, P0+S] bool   row s: what the node in slot s attends to: the prefix (P0 = 1 + L
+                                                keys, always), then its ancestors' K/V slots and its own
+    visible                 [B, S, S] bool      mask[:, :, P0:], the node-slot part, written by place
     front_int               [B, M, 3] long      frontier (parent slot, token, depth); rows 0..N-1 the kept
                                                 entries in rank order, rows N.. the children of the last step
     front_flt               [B, M, 2] float64   frontier (score, log q); score -inf marks an invalid entry
@@ -158,7 +160,11 @@ class StaticWeaverTreeBuilder:
 
         self.state = WeaverState.static(cfg.num_layers, B, cfg.num_heads, 1 + self.L, cfg.d_rank // cfg.num_heads, S,
                                         device=dev, dtype=self.dtype)   # k, v [B, nh, 1+L+S, hd] per layer
-        self.visible = torch.zeros(B, S, S, device=dev, dtype=torch.bool)      # [B, S, S]
+        P0 = self.state.prefix_len
+        self.mask = torch.zeros(B, S, P0 + S, device=dev, dtype=torch.bool)    # [B, S, P0+S]
+        self.mask[:, :, :P0] = True                                            # every node sees the prefix
+        self.visible = self.mask[:, :, P0:]                                    # [B, S, S]
+        self.visible.diagonal(dim1=1, dim2=2).fill_(True)                      # and itself (the root: nothing else)
         self.front_int = torch.zeros(B, M, 3, **long)                           # [B, M, (parent, token, depth)]
         self.front_flt = torch.zeros(B, M, 2, **f64)                            # [B, M, (score, log q)]
         self.slot_int = torch.zeros(B, P, 3, **long)                            # [B, P, (parent, token, depth)]
@@ -270,7 +276,6 @@ class StaticWeaverTreeBuilder:
     def _start(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """Reset the buffers, then the root step."""
         self.state.reset(self.weaver.prefix(h_final, dflash_hidden[:, :self.L]))
-        self.visible[:, 0].zero_()                                             # the root sees no node slot
         self.front_flt[:, :, 0].fill_(-math.inf)                               # empty frontier
         self.slot_int[:, 0, 0].fill_(-1)
         self.slot_int[:, 0, 1].copy_(roots)
@@ -280,7 +285,8 @@ class StaticWeaverTreeBuilder:
         self.slot_placed[:, 0].fill_(True)
         self.count.fill_(1)
         root = roots[:, None]                                                  # [B, 1]
-        h = self.weaver.step(self.state, root, self.root_depth, self.visible[:, :1, :0], self.embed_weight)  # [B,1,r]
+        h = self.weaver.step(self.state, root, self.root_depth, None, self.embed_weight,
+                             mask=self._step_mask(0, 1))                       # [B, 1, r]
         self.cand_logits.copy_(cand_logits)
         self._push(h, 0, self.root_depth, self.root_active, self.root_score, cand_ids, self.cand_logits)
 
@@ -291,10 +297,15 @@ class StaticWeaverTreeBuilder:
             s0 = 1 + (r - 1) * Wd                                              # first placement slot of round r
             tok, dep, score, active = self._place(s0, expand=r < R)            # [B, Wd] each
             if r < R:
-                rows = self.visible[:, s0: s0 + Wd, :s0]                       # [B, Wd, s0] the slots' ancestors
-                h = self.weaver.step(self.state, tok, dep, rows, self.embed_weight)   # [B, Wd, r]
+                h = self.weaver.step(self.state, tok, dep, None, self.embed_weight,
+                                     mask=self._step_mask(s0, Wd))             # [B, Wd, r]
                 self._push(h, s0, dep, active, score, cand_ids, cand_logits)
         self._finish(active if last == R else None)
+
+    def _step_mask(self, s0: int, width: int) -> torch.Tensor:
+        """The attention mask of the step over slots s0 .. s0+width-1: a view [B, 1, width, P0+s0+width] of `mask`
+        (the prefix, the slots' ancestors, each slot itself; no launch)."""
+        return self.mask[:, s0: s0 + width, : self.state.prefix_len + s0 + width][:, None]
 
     def _push(self, h, s0: int, dep, active, score, cand_ids, cand_logits) -> None:
         """Children of the W slots of one step into frontier rows N .. N+Wd*E-1.
@@ -313,7 +324,7 @@ class StaticWeaverTreeBuilder:
     def _place(self, s0: int, expand: bool):
         """Rank the frontier (a stable sort by score, descending), place the first `width` entries into slots
         s0 .. s0+Wd-1, keep the next `budget`; when `expand`, write the slots' rows of `visible` (a slot sees its
-        parent's ancestors and the parent; a slot that does not expand sees nothing). One launch of
+        parent's ancestors, the parent and itself; a slot that does not expand only itself). One launch of
         `tfm_kernels.weaver_frontier` on CUDA (ranking included; as `_push`), its torch reference elsewhere.
 
         Returns the slots' token and depth [B, Wd] long (0, padding, where the slot does not expand), score [B, Wd]

@@ -279,19 +279,24 @@ class Weaver(nn.Module):
             x = blk.finish(x, q, k, v, causal)
         return WeaverState(ks, vs)
 
-    def step(self, state: WeaverState, tokens: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
-             embed_weight: torch.Tensor) -> torch.Tensor:
+    def step(self, state: WeaverState, tokens: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor | None,
+             embed_weight: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """One batched expansion of W new nodes; their K/V are appended to `state` (in place for a static state).
 
         tokens, depths [B, W]; visible [B, W, Nt] bool: which existing tree nodes are ancestors of each new node
-        (new nodes never see each other, only themselves). Returns h [B, W, r] (after out_norm).
+        (new nodes never see each other, only themselves). Or `mask` [B, 1, W, P+Nt+W] bool, the attention mask itself
+        (the prefix, each node's ancestors and itself; `visible` is then not read). Returns h [B, W, r] (after
+        out_norm).
         """
         B, W = tokens.shape
         x = self.token_in(self.embed_norm(F.embedding(tokens, embed_weight)))            # [B, W, r]
         cos, sin = self._node_rope(x.device, x.dtype)                                     # [lookahead+1, hd] each
         P, Nt = state.prefix_len, state.num_nodes
-        eye = torch.eye(W, dtype=torch.bool, device=x.device).expand(B, W, W)
-        mask = torch.cat([visible.new_ones(B, W, P), visible, eye], dim=-1)[:, None]      # [B, 1, W, P+Nt+W]
+        if mask is None:
+            eye = torch.eye(W, dtype=torch.bool, device=x.device).expand(B, W, W)
+            mask = torch.cat([visible.new_ones(B, W, P), visible, eye], dim=-1)[:, None]  # [B, 1, W, P+Nt+W]
+        elif tuple(mask.shape) != (B, 1, W, P + Nt + W):
+            raise ValueError(f"mask must be [{B}, 1, {W}, {P + Nt + W}], got {list(mask.shape)}")
         for i, blk in enumerate(self.blocks):
             if state.capacity is None:
                 q, k, v = blk.qkv(x, cos, sin, positions=depths)

@@ -105,6 +105,34 @@ def test_verify_tree_and_commit_equal_tree_verifier_and_hf(worlds, family):
     torch.testing.assert_close(logits[0], ref.logits[0, -1], atol=ATOL, rtol=0)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("family", DENSE)
+def test_the_rope_kernel_stands_in_for_rotate_and_the_cache_writes(worlds, family, monkeypatch):
+    """In CUDA inference a layer's rotary embedding and its K/V cache writes are one launch
+    (`tfm_kernels.rope.rope_cache`, with the norms' kernel). Forced here (the Triton interpreter, fp32), a prefill, a
+    tree verify and a commit give the torch path's logits and caches (to the norms' summation order)."""
+    import tfm_runtime.fast.dense as dense
+    w = worlds[family]
+    tree, path = branchy_tree(hf_greedy(w.target, PROMPT, 5), w.target.vocab_size)
+    outs, models = [], []
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(dense, "inference_kernel_ok", lambda *a: True)
+        m = DenseModel.from_hf(w.target, max_seq_len=32)
+        pre = m.prefill(torch.tensor(PROMPT))
+        out = m.verify_tree(tree.tokens, tree.depths, tree.ancestor_mask(), len(PROMPT))
+        m.commit(len(PROMPT), torch.tensor(path))
+        outs.append((pre.logits, out.logits, out.hidden))
+        models.append(m)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+    n = len(PROMPT) + len(path)
+    for cache in ("k_cache", "v_cache"):
+        a, b = (getattr(m, cache)[:, :, :n] for m in models)
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("family", DENSE)
 @pytest.mark.parametrize("proposal,budget", [("chain", 8), ("ddtree", 32), ("weaver", 32)])
 def test_greedy_equals_reference_decoder_and_hf(small_worlds, family, proposal, budget):

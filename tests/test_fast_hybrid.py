@@ -190,6 +190,31 @@ def test_sampling_equals_reference_decoder(small_worlds, proposal, verification)
                                      max_seq_len=48, new_tokens=12)
 
 
+@pytest.mark.interpreter
+def test_the_rope_kernel_stands_in_for_partial_rotary_and_the_cache_writes(worlds, monkeypatch):
+    """The attention layers' partial rotary embedding and K/V cache writes as one launch (`tfm_kernels.rope.
+    rope_cache`, forced here under the interpreter, fp32): the torch path's logits and caches, bit for bit."""
+    import tfm_runtime.fast.dense as dense
+    w = worlds["qwen3_5"]
+    tree, path = branchy_tree(hf_greedy(w.target, PROMPT, 5), w.target.vocab_size)
+    outs, models = [], []
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(dense, "inference_kernel_ok", lambda *a: True)   # the rotary kernel only
+        m = HybridModel.from_hf(w.target, max_seq_len=32)
+        assert m.cfg.rotary_dim < m.cfg.head_dim
+        pre = m.prefill(torch.tensor(PROMPT))
+        out = m.verify_tree(tree.tokens, tree.depths, tree.ancestor_mask(), len(PROMPT))
+        m.commit(len(PROMPT), torch.tensor(path))
+        outs.append((pre.logits, out.logits, out.hidden))
+        models.append(m)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    for cache in ("k_cache", "v_cache"):
+        assert torch.equal(getattr(models[0], cache), getattr(models[1], cache))
+    assert models[0].k_cache.abs().sum() > 0
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton GDN path on CPU needs the "
                     "interpreter (on CUDA: test_triton_paths_on_cuda)")
 def test_triton_gdn_equals_torch_under_interpreter(worlds):

@@ -1,10 +1,11 @@
-"""RMSNorm and the rotary embedding of q, k (Triton, forward) against their float64 references and against the torch
-modules they stand in for; CPU runs use the Triton interpreter (fp32, fp16)."""
+"""RMSNorm and the rotary embeddings of q, k (Triton, forward: the Weaver's fused qkv, and a target's attention layer
+with its K/V cache writes) against their float64 references and against the torch ops they stand in for; CPU runs use
+the Triton interpreter (fp32, fp16)."""
 import pytest
 import torch
 
 from tfm_kernels.rms_norm import rms_norm, rms_norm_ref
-from tfm_kernels.rope import rope_qk, rope_qk_ref
+from tfm_kernels.rope import rope_cache, rope_cache_ref, rope_qk, rope_qk_ref
 from tfm_runtime.models.common import RMSNorm, apply_rope, rope_cos_sin
 
 
@@ -119,6 +120,41 @@ def test_rope_qk_by_position_into_a_cache(B, T, nh, hd):
         rope_qk(qkv, cos_t, sin_t, positions=pos.int())
     with pytest.raises(ValueError, match="rope_qk expects k_out"):
         rope_qk(qkv, cos_t, sin_t, positions=pos, k_out=kc[:, :, :T].transpose(2, 3))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,nq,nk,D,R", [(1, 9, 3, 64, 64), (5, 3, 1, 6, 6), (4, 4, 2, 8, 4), (7, 2, 2, 10, 2)])
+def test_rope_cache_matches_float64_and_the_target_ops(T, nq, nk, D, R):
+    """A target's attention layer: q, k (views of one projection, GQA head counts, D not a power of 2, partial rotary
+    R < D) rotated by position, k and v written to cache slots in any order: the same tensors and caches as
+    `tfm_runtime.fast.dense.rotate` and two `index_copy_`, bit for bit, and within rounding of float64."""
+    from tfm_runtime.fast.dense import rotate
+    g = torch.Generator().manual_seed(T * 100 + D)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
+        proj = torch.randn(T, (nq + 2 * nk) * D, generator=g).to(dtype)                    # one projection's rows
+        q, k, v = (t.view(T, -1, D) for t in proj.split([nq * D, nk * D, nk * D], dim=-1))
+        cos, sin = rope_cos_sin(torch.arange(40), R, 1e4, dtype)                             # tables [40, R]
+        pos, slots = torch.randint(0, 40, (T,), generator=g), torch.randperm(12, generator=g)[:T]
+        caches = [torch.randn(nk, 12, D, generator=g).to(dtype) for _ in range(2)]
+        want_k_cache, want_v_cache = (c.clone() for c in caches)
+        got_q, got_k = rope_cache(q, k, v, cos, sin, pos, slots, *caches)
+
+        def torch_rope(x):
+            return torch.cat([rotate(x[..., :R], cos[pos], sin[pos]), x[..., R:]], dim=-1)
+        want_q, want_k = torch_rope(q), torch_rope(k)
+        want_k_cache.index_copy_(1, slots, want_k.transpose(0, 1))
+        want_v_cache.index_copy_(1, slots, v.transpose(0, 1))
+        assert got_q.shape == (T, nq, D) and got_k.shape == (T, nk, D) and got_q.is_contiguous()
+        for got, want in ((got_q, want_q), (got_k, want_k), (caches[0], want_k_cache), (caches[1], want_v_cache)):
+            assert torch.equal(got, want)
+        q64, k64 = rope_cache_ref(q, k, cos, sin, pos)
+        assert _rel(got_q, q64) < tol and _rel(got_k, k64) < tol
+    bad = [dict(pos=pos.int()), dict(slots=slots.repeat(2)), dict(k_cache=caches[0][:, :, :-1]),
+           dict(cos=cos[:, :R - 1], sin=sin[:, :R - 1]), dict(v=v.double()), dict(q=q.double())]
+    for change in bad:
+        args = dict(q=q, k=k, v=v, cos=cos, sin=sin, pos=pos, slots=slots, k_cache=caches[0], v_cache=caches[1])
+        with pytest.raises(ValueError, match="rope_cache expects"):
+            rope_cache(**{**args, **change})
 
 
 @pytest.mark.interpreter

@@ -1,4 +1,4 @@
-from tfm_kernels.rope.ref import rope_qk_ref
-from tfm_kernels.rope.triton import rope_qk
+from tfm_kernels.rope.ref import rope_cache_ref, rope_qk_ref
+from tfm_kernels.rope.triton import rope_cache, rope_qk
 
-__all__ = ["rope_qk", "rope_qk_ref"]
+__all__ = ["rope_cache", "rope_cache_ref", "rope_qk", "rope_qk_ref"]

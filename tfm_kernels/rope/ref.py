@@ -1,4 +1,5 @@
-"""float64 reference of rotary embeddings on the q and k of a fused qkv projection."""
+"""float64 references of the rotary embeddings: q and k of a fused qkv projection (the Weaver), and q and k of a
+target's attention layer by position (the K/V cache writes are copies)."""
 import torch
 
 
@@ -13,4 +14,18 @@ def rope_qk_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tupl
     def rot(x):
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return rot(q), rot(k)
+
+
+def rope_cache_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, nq, D], k [T, nk, D]; cos, sin tables [P, R] (R <= D even: partial rotary) read at pos [T] ->
+    q, k float64 with their first R dims rotated (half-split convention over those R) and the rest as they were."""
+    R = cos.shape[-1]
+    c, s = cos.double()[pos][:, None], sin.double()[pos][:, None]           # [T, 1, R]
+
+    def rot(x):
+        x = x.double()
+        x1, x2 = x[..., :R].chunk(2, dim=-1)
+        return torch.cat([x[..., :R] * c + torch.cat([-x2, x1], dim=-1) * s, x[..., R:]], dim=-1)
     return rot(q), rot(k)

@@ -100,3 +100,106 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: 
                              WRITE_V=v_out is not None, BH=triton.next_power_of_2(NH),
                              BD=triton.next_power_of_2(hd // 2), num_warps=4)
     return q, k
+
+
+@triton.jit
+def _rotate_heads(x, s_t, s_h, t, nh, D, HALF, c1, c2, s1, s2, BH: tl.constexpr, BR: tl.constexpr,
+                  BP: tl.constexpr):
+    """Token t's nh heads of x (strides s_t, s_h, 1): the first 2 * HALF dims rotated (y1, y2 [BH, BR] in x's
+    dtype), the rest as they are (xp [BH, BP]); with their masks."""
+    o_h, o_r, o_p = tl.arange(0, BH), tl.arange(0, BR), tl.arange(0, BP)
+    m = (o_h < nh)[:, None] & (o_r < HALF)[None, :]
+    m_p = (o_h < nh)[:, None] & (o_p < D - 2 * HALF)[None, :]
+    row = x + t * s_t + o_h[:, None] * s_h
+    x1 = tl.load(row + o_r[None, :], mask=m, other=0.).to(tl.float32)
+    x2 = tl.load(row + HALF + o_r[None, :], mask=m, other=0.).to(tl.float32)
+    xp = tl.load(row + 2 * HALF + o_p[None, :], mask=m_p, other=0.)
+    dt = x.dtype.element_ty
+    y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    return y1, y2, xp, m, m_p
+
+
+@triton.jit
+def _store_heads(dst, s_h, y1, y2, xp, m, m_p, HALF, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
+    """y1, y2, xp of `_rotate_heads` to dst + head * s_h (a head's D values contiguous)."""
+    o_h, o_r, o_p = tl.arange(0, BH), tl.arange(0, BR), tl.arange(0, BP)
+    row = dst + o_h[:, None] * s_h
+    tl.store(row + o_r[None, :], y1, mask=m)
+    tl.store(row + HALF + o_r[None, :], y2, mask=m)
+    tl.store(row + 2 * HALF + o_p[None, :], xp, mask=m_p)
+
+
+@triton.jit
+def rope_cache_kernel(q, k, v, cos, sin, pos, slots, q_out, k_out, k_cache, v_cache,
+                      q_st, q_sh, k_st, k_sh, v_st, v_sh, kc_sh, kc_ss, vc_sh, vc_ss, NQ, NK, D, HALF,
+                      BQ: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr):
+    """Program t: q_out[t], k_out[t] rotated (first 2 * HALF dims; the rest copied) at table row pos[t]; k_out[t]
+    and v[t] also into cache slot slots[t] ([heads, slots, D] caches, strides *_sh, *_ss, 1)."""
+    t = tl.program_id(0).to(tl.int64)
+    p_c = tl.load(pos + t) * (2 * HALF)
+    slot = tl.load(slots + t)
+    o_r = tl.arange(0, BR)
+    c1 = tl.load(cos + p_c + o_r, mask=o_r < HALF, other=0.).to(tl.float32)[None, :]
+    c2 = tl.load(cos + p_c + HALF + o_r, mask=o_r < HALF, other=0.).to(tl.float32)[None, :]
+    s1 = tl.load(sin + p_c + o_r, mask=o_r < HALF, other=0.).to(tl.float32)[None, :]
+    s2 = tl.load(sin + p_c + HALF + o_r, mask=o_r < HALF, other=0.).to(tl.float32)[None, :]
+    y1, y2, xp, m, m_p = _rotate_heads(q, q_st, q_sh, t, NQ, D, HALF, c1, c2, s1, s2, BQ, BR, BP)
+    _store_heads(q_out + t * NQ * D, D, y1, y2, xp, m, m_p, HALF, BQ, BR, BP)
+    y1, y2, xp, m, m_p = _rotate_heads(k, k_st, k_sh, t, NK, D, HALF, c1, c2, s1, s2, BK, BR, BP)
+    _store_heads(k_out + t * NK * D, D, y1, y2, xp, m, m_p, HALF, BK, BR, BP)
+    _store_heads(k_cache + slot * kc_ss, kc_sh, y1, y2, xp, m, m_p, HALF, BK, BR, BP)
+    o_h, o_d = tl.arange(0, BK), tl.arange(0, BD)
+    m_v = (o_h < NK)[:, None] & (o_d < D)[None, :]
+    xv = tl.load(v + t * v_st + o_h[:, None] * v_sh + o_d[None, :], mask=m_v, other=0.)
+    tl.store(v_cache + o_h[:, None] * vc_sh + slot * vc_ss + o_d[None, :], xv, mask=m_v)
+
+
+def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k of T tokens by position and write k and v into their K/V cache slots, in one launch (forward
+    only). The roundings are those of `tfm_runtime.fast.dense.rotate` (x * cos and rotate_half(x) * sin each rounded
+    to x's dtype, then their sum), which with the two `index_copy_` writes takes about twelve launches.
+
+    Args:
+        q: [T, nq, D]; k, v: [T, nk, D]; fp16 / bf16 / fp32 on a Triton device, last dims contiguous.
+        cos, sin: tables [P, R] of q's dtype, R <= D even (R < D: partial rotary, the last D - R dims unrotated).
+        pos: [T] long, the table row of each token; slots: [T] long, its cache slot.
+        k_cache, v_cache: [nk, S, D] of q's dtype, last dim contiguous (one layer of the target's cache).
+    Returns:
+        q, k: [T, nq, D], [T, nk, D] rotated, contiguous (k as written to the cache).
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[::2] != k.shape[::2] or 0 in q.shape + k.shape:
+        raise ValueError(f"rope_cache expects q [T, nq, D], k and v [T, nk, D], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    T, NQ, D = q.shape
+    NK, R = k.shape[1], cos.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"rope_cache expects fp16, bf16 or fp32, got {q.dtype}")
+    if cos.dim() != 2 or sin.shape != cos.shape or R % 2 or not 0 < R <= D:
+        raise ValueError(f"rope_cache expects cos, sin tables [P, R] with R even, 0 < R <= {D}, got "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    for name, t, shape in (("pos", pos, (T,)), ("slots", slots, (T,))):
+        if tuple(t.shape) != shape or t.dtype != torch.long:
+            raise ValueError(f"rope_cache expects {name} [{T}] long, got {tuple(t.shape)} {t.dtype}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 3 or c.shape[0] != NK or c.shape[2] != D or c.stride(-1) != 1:
+            raise ValueError(f"rope_cache expects {name} [{NK}, S, {D}] with a contiguous last dim, got "
+                             f"{tuple(c.shape)}")
+    ts = (q, k, v, cos, sin, pos, slots, k_cache, v_cache)
+    if any(t.device != q.device for t in ts) or any(t.dtype != q.dtype for t in (k, v, cos, sin, k_cache, v_cache)):
+        raise ValueError("rope_cache expects every tensor on one device and q, k, v, cos, sin and the caches in one "
+                         "dtype")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("rope_cache expects q, k, v with a contiguous last dim")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q_out = torch.empty(T, NQ, D, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(T, NK, D, dtype=q.dtype, device=q.device)
+    rope_cache_kernel[(T,)](q, k, v, cos, sin, pos, slots, q_out, k_out, k_cache, v_cache,
+                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                            NQ, NK, D, R // 2, BQ=triton.next_power_of_2(NQ), BK=triton.next_power_of_2(NK),
+                            BR=triton.next_power_of_2(R // 2), BP=triton.next_power_of_2(max(D - R, 1)),
+                            BD=triton.next_power_of_2(D), num_warps=4)
+    return q_out, k_out

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
+from tfm_kernels.rope import rope_cache as fused_rope_cache
 from tfm_runtime.models.common import inference_kernel_ok
 
 FAMILIES = ("llama", "qwen3")
@@ -162,6 +163,26 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
 
 
+def rope_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k, v [T, Hkv, D]; cos, sin tables [S, R] (R <= D: the first R dims rotate) read at pos [T] ->
+    q, k rotated; k and v written to cache slots `slots` [T] of k_cache, v_cache [Hkv, S, D]. On CUDA one launch of
+    `tfm_kernels.rope.rope_cache` with the same roundings (about twelve torch launches)."""
+    if inference_kernel_ok(q, k, v, cos, sin, k_cache, v_cache):
+        return fused_rope_cache(q, k, v, cos, sin, pos, slots, k_cache, v_cache)
+    c, s = cos[pos], sin[pos]                                                               # [T, R]
+    R = c.shape[-1]
+    if R == q.shape[-1]:
+        q, k = rotate(q, c, s), rotate(k, c, s)
+    else:                                                                                   # partial rotary
+        q = torch.cat([rotate(q[..., :R], c, s), q[..., R:]], dim=-1)
+        k = torch.cat([rotate(k[..., :R], c, s), k[..., R:]], dim=-1)
+    k_cache.index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+    return q, k
+
+
 def checked_weight(state: dict[str, torch.Tensor], missing: list[str], name: str, shape, needed: bool = True):
     """state[name] detached, after checking its shape (ValueError naming the weight); None if absent, and the name
     appended to `missing` when the weight is needed."""
@@ -293,7 +314,6 @@ class DenseModel:
         `attend(i, q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]` runs layer i's attention after the write."""
         c = self.cfg
         T, nh, nkv, D, eps = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-        cos, sin = self.cos[pos], self.sin[pos]                                             # [T, D]
         x = F.embedding(tokens, self.embed)                                                 # [T, H]
         taps = {}
         for i, w in enumerate(self.layers):
@@ -303,9 +323,7 @@ class DenseModel:
             v = F.linear(h, w.wv, w.bv).view(T, nkv, D)
             if c.qk_norm:
                 q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            self.k_cache[i].index_copy_(1, slots, k.transpose(0, 1))                        # [Hkv, S, D]
-            self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
+            q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[i], self.v_cache[i])
             o = attend(i, q, k, v)                                                          # [T, Hq, D]
             x = x + F.linear(o.reshape(T, nh * D), w.wo, w.bo)
             h = rms_norm(x, w.mlp_norm, eps)

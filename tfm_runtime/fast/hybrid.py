@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
-from tfm_runtime.fast.dense import DenseModel, DenseOutput, checked_weight, rotate
+from tfm_runtime.fast.dense import DenseModel, DenseOutput, checked_weight, rope_into_cache
 from tfm_runtime.models.common import inference_kernel_ok
 from tfm_runtime.models.gdn_tree_torch import tree_recurrence
 
@@ -344,18 +344,16 @@ class HybridModel(DenseModel):
         self.gdn_slots = torch.arange(self.num_gdn, dtype=torch.int32, device=dev)           # [Lg]
 
     # ---- forward ---------------------------------------------------------------------------------
-    def _attention(self, w: AttnLayer, slot: int, h, cos, sin, slots, attend):
-        """Gated attention: h [T, H] -> [T, H]; writes K/V of the T tokens into `slots` of the layer's cache."""
+    def _attention(self, w: AttnLayer, slot: int, h, pos, slots, attend):
+        """Gated attention: h [T, H] -> [T, H] at positions pos [T]; writes K/V of the T tokens into `slots` of the
+        layer's cache."""
         c = self.cfg
-        T, nh, nkv, D, rd, eps = h.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rms_norm_eps
+        T, nh, nkv, D, eps = h.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         q, gate = F.linear(h, w.wq).view(T, nh, 2 * D).chunk(2, dim=-1)                    # [T, Hq, D] each
         q = rms_norm_1p(q, w.q_norm, eps)
         k = rms_norm_1p(F.linear(h, w.wk).view(T, nkv, D), w.k_norm, eps)
         v = F.linear(h, w.wv).view(T, nkv, D)
-        q = torch.cat([rotate(q[..., :rd], cos, sin), q[..., rd:]], dim=-1)
-        k = torch.cat([rotate(k[..., :rd], cos, sin), k[..., rd:]], dim=-1)
-        self.k_cache[slot].index_copy_(1, slots, k.transpose(0, 1))                         # [Hkv, S, D]
-        self.v_cache[slot].index_copy_(1, slots, v.transpose(0, 1))
+        q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[slot], self.v_cache[slot])
         o = attend(slot, q, k, v).reshape(T, nh * D)                                         # [T, Hq D]
         return F.linear(o * torch.sigmoid(gate.reshape(T, nh * D)), w.wo)
 
@@ -444,13 +442,12 @@ class HybridModel(DenseModel):
         into `slots`; GDN layers run over the tree of `tree.parents` and append their commit data to `tree`."""
         c = self.cfg
         T, eps = tokens.shape[0], c.rms_norm_eps
-        cos, sin = self.cos[pos], self.sin[pos]                                             # [T, rd]
         x = F.embedding(tokens, self.embed)                                                 # [T, H]
         taps = {}
         for i, layer in enumerate(self.layers):
             h = rms_norm_1p(x, layer.attn_norm, eps)
             if layer.kind == "full_attention":
-                x = x + self._attention(layer.mixer, layer.slot, h, cos, sin, slots, attend)
+                x = x + self._attention(layer.mixer, layer.slot, h, pos, slots, attend)
             else:
                 x = x + self._gdn(layer.mixer, layer.slot, h, tree)
             x = x + self._mlp(layer.mlp, rms_norm_1p(x, layer.mlp_norm, eps))

@@ -149,6 +149,13 @@ def test_rope_cache_matches_float64_and_the_target_ops(T, nq, nk, D, R):
             assert torch.equal(got, want)
         q64, k64 = rope_cache_ref(q, k, cos, sin, pos)
         assert _rel(got_q, q64) < tol and _rel(got_k, k64) < tol
+        kv_only = [torch.zeros_like(c) for c in caches]                                    # keys and values only
+        none, k_only = rope_cache(None, k, v, cos, sin, pos, slots, *kv_only)
+        assert none is None and torch.equal(k_only, got_k)
+        written = torch.zeros(12, dtype=torch.bool)
+        written[slots] = True
+        for got, want in zip(kv_only, caches):
+            assert torch.equal(got[:, written], want[:, written]) and not got[:, ~written].any()
     bad = [dict(pos=pos.int()), dict(slots=slots.repeat(2)), dict(k_cache=caches[0][:, :, :-1]),
            dict(cos=cos[:, :R - 1], sin=sin[:, :R - 1]), dict(v=v.double()), dict(q=q.double())]
     for change in bad:

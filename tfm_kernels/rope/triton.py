@@ -155,22 +155,25 @@ def rope_cache_kernel(q, k, v, cos, sin, pos, slots, q_out, k_out, k_cache, v_ca
     tl.store(v_cache + o_h[:, None] * vc_sh + slot * vc_ss + o_d[None, :], xv, mask=m_v)
 
 
-def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def rope_cache(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               v_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Rotate q and k of T tokens by position and write k and v into their K/V cache slots, in one launch (forward
     only). The roundings are those of `tfm_runtime.fast.dense.rotate` (x * cos and rotate_half(x) * sin each rounded
     to x's dtype, then their sum), which with the two `index_copy_` writes takes about twelve launches.
 
     Args:
-        q: [T, nq, D]; k, v: [T, nk, D]; fp16 / bf16 / fp32 on a Triton device, last dims contiguous.
+        q: [T, nq, D] or None (keys and values only); k, v: [T, nk, D]; fp16 / bf16 / fp32 on a Triton device,
+            last dims contiguous.
         cos, sin: tables [P, R] of q's dtype, R <= D even (R < D: partial rotary, the last D - R dims unrotated).
         pos: [T] long, the table row of each token; slots: [T] long, its cache slot.
         k_cache, v_cache: [nk, S, D] of q's dtype, last dim contiguous (one layer of the target's cache).
     Returns:
-        q, k: [T, nq, D], [T, nk, D] rotated, contiguous (k as written to the cache).
+        q, k: [T, nq, D] (None without q), [T, nk, D] rotated, contiguous (k as written to the cache).
     """
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[::2] != k.shape[::2] or 0 in q.shape + k.shape:
+    no_q = q is None
+    q = k[:, :0] if no_q else q                                    # no query heads: nothing rotated or written
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[::2] != k.shape[::2] or 0 in k.shape:
         raise ValueError(f"rope_cache expects q [T, nq, D], k and v [T, nk, D], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     T, NQ, D = q.shape
@@ -199,7 +202,7 @@ def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     rope_cache_kernel[(T,)](q, k, v, cos, sin, pos, slots, q_out, k_out, k_cache, v_cache,
                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-                            NQ, NK, D, R // 2, BQ=triton.next_power_of_2(NQ), BK=triton.next_power_of_2(NK),
+                            NQ, NK, D, R // 2, BQ=triton.next_power_of_2(max(NQ, 1)), BK=triton.next_power_of_2(NK),
                             BR=triton.next_power_of_2(R // 2), BP=triton.next_power_of_2(max(D - R, 1)),
                             BD=triton.next_power_of_2(D), num_warps=4)
-    return q_out, k_out
+    return None if no_q else q_out, k_out

@@ -163,21 +163,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
 
 
-def rope_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def rope_into_cache(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k, v [T, Hkv, D]; cos, sin tables [S, R] (R <= D: the first R dims rotate) read at pos [T] ->
+                    v_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """q [T, Hq, D] (or None: keys and values only), k, v [T, Hkv, D]; cos, sin tables [S, R] (R <= D: the first R dims rotate) read at pos [T] ->
     q, k rotated; k and v written to cache slots `slots` [T] of k_cache, v_cache [Hkv, S, D]. On CUDA one launch of
     `tfm_kernels.rope.rope_cache` with the same roundings (about twelve torch launches)."""
-    if inference_kernel_ok(q, k, v, cos, sin, k_cache, v_cache):
+    if inference_kernel_ok(k, v, cos, sin, k_cache, v_cache, q):
         return fused_rope_cache(q, k, v, cos, sin, pos, slots, k_cache, v_cache)
     c, s = cos[pos], sin[pos]                                                               # [T, R]
     R = c.shape[-1]
-    if R == q.shape[-1]:
-        q, k = rotate(q, c, s), rotate(k, c, s)
-    else:                                                                                   # partial rotary
-        q = torch.cat([rotate(q[..., :R], c, s), q[..., R:]], dim=-1)
-        k = torch.cat([rotate(k[..., :R], c, s), k[..., R:]], dim=-1)
+
+    def rope(x):                                                                            # R < D: partial rotary
+        return rotate(x, c, s) if R == x.shape[-1] else torch.cat([rotate(x[..., :R], c, s), x[..., R:]], dim=-1)
+    q, k = None if q is None else rope(q), rope(k)
     k_cache.index_copy_(1, slots, k.transpose(0, 1))
     v_cache.index_copy_(1, slots, v.transpose(0, 1))
     return q, k

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tfm_runtime.models.common import apply_rope, rope_cos_sin
+from tfm_runtime.fast.dense import rope_into_cache
+from tfm_runtime.models.common import rope_cos_sin
 from tfm_runtime.models.dflash import DFlashDrafter
 
 
@@ -51,6 +52,7 @@ class StaticDFlash:
         self.block = torch.full((S,), cfg.mask_token_id, device=dev, dtype=torch.long)   # [S] bonus, MASK...
         self.ar_block = torch.arange(S, device=dev)                         # [S]
         self.ar_slots = torch.arange(self.slots, device=dev)                # [slots]
+        self.cos, self.sin = rope_cos_sin(self.ar_slots, cfg.head_dim, cfg.rope_theta, self.dtype)  # [slots, D]
         self.graphs: dict[str, tuple] = {}                                  # name -> (graph, outputs)
         if cuda_graphs and dev.type == "cuda":
             self._capture()
@@ -91,12 +93,17 @@ class StaticDFlash:
     # ---- shape-static bodies -----------------------------------------------------------------------
     def _write(self, taps: torch.Tensor, slots: torch.Tensor) -> None:
         """Context K/V of taps [n, F] at positions = slots [n], into those slots of every layer."""
-        ctx = self.drafter.hidden_norm(self.drafter.fc(taps))[None]                        # [1, n, H]
-        cos, sin = rope_cos_sin(slots, self.cfg.head_dim, self.cfg.rope_theta, ctx.dtype)  # [n, D]
+        ctx = self.drafter.hidden_norm(self.drafter.fc(taps))                              # [n, H]
         for i, layer in enumerate(self.drafter.layers):
-            k, v = layer.self_attn.kv(ctx, cos, sin)                                       # [1, Hkv, n, D]
-            self.k[i].index_copy_(2, slots, k)
-            self.v[i].index_copy_(2, slots, v)
+            _, k, v = self._qkv(layer.self_attn, ctx, query=False)                         # [n, Hkv, D]
+            rope_into_cache(None, k, v, self.cos, self.sin, slots, slots, self.k[i, 0], self.v[i, 0])
+
+    def _qkv(self, att, h: torch.Tensor, query: bool = True):
+        """h [T, H] -> q [T, nh, D] (normed; None without `query`), k [T, Hkv, D] (normed), v [T, Hkv, D]: not yet
+        rotated."""
+        T, hd = h.shape[0], self.cfg.head_dim
+        q = att.q_norm(att.q_proj(h).view(T, -1, hd)) if query else None
+        return q, att.k_norm(att.k_proj(h).view(T, -1, hd)), att.v_proj(h).view(T, -1, hd)
 
     def _extend(self) -> None:
         self._write(self.taps_in, self.length + self.ar_block)
@@ -106,16 +113,13 @@ class StaticDFlash:
         cfg, S = self.cfg, self.S
         nh, hd = cfg.num_attention_heads, cfg.head_dim
         pos = self.length + self.ar_block                                                  # [S] slots = positions
-        cos, sin = rope_cos_sin(pos, hd, cfg.rope_theta, self.dtype)                       # [S, D]
         seen = self.ar_slots[None, :] < (self.length + S)                                  # [1, slots]
         x = F.embedding(self.block, self.embed_weight)[None]                               # [1, S, H]
         for i, layer in enumerate(self.drafter.layers):
             att = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rope(att.q_norm(att.q_proj(h).view(1, S, nh, hd)).transpose(1, 2), cos, sin)   # [1, nh, S, D]
-            k_blk, v_blk = att.kv(h, cos, sin)                                             # [1, Hkv, S, D]
-            self.k[i].index_copy_(2, pos, k_blk)
-            self.v[i].index_copy_(2, pos, v_blk)
+            q, k, v = self._qkv(att, layer.input_layernorm(x)[0])                          # [S, heads, D]
+            q, _ = rope_into_cache(q, k, v, self.cos, self.sin, pos, pos, self.k[i, 0], self.v[i, 0])
+            q = q.transpose(0, 1)[None]                                                    # [1, nh, S, D]
             mask = seen
             if att.sliding and cfg.sliding_window:
                 mask = seen & (self.ar_slots[None, :] > pos[:, None] - cfg.sliding_window)   # [S, slots]

@@ -191,16 +191,17 @@ def test_sampling_equals_reference_decoder(small_worlds, proposal, verification)
 
 
 @pytest.mark.interpreter
-def test_the_rope_kernel_stands_in_for_partial_rotary_and_the_cache_writes(worlds, monkeypatch):
+def test_the_rope_and_norm_kernels_stand_in_for_the_torch_ops(worlds, monkeypatch):
     """The attention layers' partial rotary embedding and K/V cache writes as one launch (`tfm_kernels.rope.
-    rope_cache`, forced here under the interpreter, fp32): the torch path's logits and caches, bit for bit."""
+    rope_cache`, forced here under the interpreter, fp32): the torch path's logits and caches, bit for bit; with the
+    residual adds and their norms fused too (`add_rms_norm`): the same to the norms' summation order."""
     import tfm_runtime.fast.dense as dense
     w = worlds["qwen3_5"]
     tree, path = branchy_tree(hf_greedy(w.target, PROMPT, 5), w.target.vocab_size)
     outs, models = [], []
-    for forced in (False, True):
+    for forced in (None, lambda *a: len(a) == 7, lambda *a: True):             # none, rope_into_cache's, all
         if forced:
-            monkeypatch.setattr(dense, "inference_kernel_ok", lambda *a: True)   # the rotary kernel only
+            monkeypatch.setattr(dense, "inference_kernel_ok", forced)
         m = HybridModel.from_hf(w.target, max_seq_len=32)
         assert m.cfg.rotary_dim < m.cfg.head_dim
         pre = m.prefill(torch.tensor(PROMPT))
@@ -208,10 +209,12 @@ def test_the_rope_kernel_stands_in_for_partial_rotary_and_the_cache_writes(world
         m.commit(len(PROMPT), torch.tensor(path))
         outs.append((pre.logits, out.logits, out.hidden))
         models.append(m)
-    for a, b in zip(*outs):
+    for a, b, c in zip(*outs):
         assert torch.equal(a, b)
+        torch.testing.assert_close(c, a, atol=ATOL, rtol=0)
     for cache in ("k_cache", "v_cache"):
         assert torch.equal(getattr(models[0], cache), getattr(models[1], cache))
+        torch.testing.assert_close(getattr(models[2], cache), getattr(models[0], cache), atol=ATOL, rtol=0)
     assert models[0].k_cache.abs().sum() > 0
 
 

@@ -4,7 +4,7 @@ the Triton interpreter (fp32, fp16)."""
 import pytest
 import torch
 
-from tfm_kernels.rms_norm import rms_norm, rms_norm_ref
+from tfm_kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_ref
 from tfm_kernels.rope import rope_cache, rope_cache_ref, rope_qk, rope_qk_ref
 from tfm_runtime.models.common import RMSNorm, apply_rope, rope_cos_sin
 
@@ -41,6 +41,22 @@ def test_rms_norm_matches_float64_and_the_module(shape, bias):
         torch.testing.assert_close(y, want, rtol=0, atol=2 * torch.finfo(dtype).eps * float(want.abs().max()))
         if dtype == torch.float16:
             assert (y != want).float().mean() < 1e-3
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", [(1, 576), (3, 5, 24), (2, 1000), (4, 1)])
+@pytest.mark.parametrize("one_plus", [False, True])
+def test_add_rms_norm_is_the_add_then_the_norm(shape, one_plus):
+    """s = x + r as torch rounds it, and y the norm of s bit for bit as `rms_norm` gives it; float64 within rounding."""
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
+        x, w, b = _rms_case(shape, dtype, "cpu", True)
+        r = _rms_case(shape, dtype, "cpu", False, seed=1)[0]
+        s, y = add_rms_norm(x, r, w, b, eps=1e-6, one_plus=one_plus)
+        assert torch.equal(s, x + r) and s.shape == y.shape == x.shape and y.dtype == dtype
+        assert torch.equal(y, rms_norm(x + r, w, b, eps=1e-6, one_plus=one_plus))
+        assert _rel(y, rms_norm_ref(x + r, w, b, 1e-6, one_plus=one_plus)) < tol
+    with pytest.raises(ValueError, match="rms_norm expects residual"):
+        add_rms_norm(x, r[..., :-1] if shape[-1] > 1 else r.double(), w)
 
 
 @pytest.mark.interpreter

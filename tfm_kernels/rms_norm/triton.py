@@ -1,6 +1,7 @@
 """RMSNorm forward in one launch (Triton): y = round(weight * round(x / rms(x))) (+ bias, rounded), or with
 `one_plus` y = round(x / rms(x) * (1 + weight)), then with `gate` round(y * silu(gate)); one row per program, math
-in fp32.
+in fp32. `add_rms_norm` first adds a residual (s = round(x + r), written too), where a block's output joins the
+residual stream just before the next norm: one launch for torch's add and norm.
 
 The roundings are those of `tfm_runtime.models.common.RMSNorm` and `tfm_runtime.fast.dense.rms_norm` (normalise in
 fp32, round to x's dtype, multiply by the weight and round, add the bias and round), or of
@@ -16,15 +17,20 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x, w, b, z, y, D, eps, HAS_BIAS: tl.constexpr, ONE_PLUS: tl.constexpr,
-                        HAS_GATE: tl.constexpr, BD: tl.constexpr):
-    """Row `program_id(0)` of x [N, D] -> y [N, D] (x, z, y row-major); w, b [D]; BD = next power of 2 >= D.
+def rms_norm_fwd_kernel(x, w, b, z, r, s, y, D, eps, HAS_BIAS: tl.constexpr, ONE_PLUS: tl.constexpr,
+                        HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, BD: tl.constexpr):
+    """Row `program_id(0)` of x [N, D] -> y [N, D] (x, z, r, s, y row-major); w, b [D]; BD = next power of 2 >= D.
+    HAS_RES: the row normalised is s = round(x + r), also written (a residual add before the norm).
     ONE_PLUS: y = round(x / rms(x) * (1 + w)), one rounding (Qwen3.5's norm); else the module's roundings.
     HAS_GATE: then y = round(y * silu(z)), silu in fp32 (the GDN output norm)."""
     row = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BD)
     m = o < D
     xr = tl.load(x + row * D + o, mask=m, other=0.).to(tl.float32)
+    if HAS_RES:
+        sr = (xr + tl.load(r + row * D + o, mask=m, other=0.).to(tl.float32)).to(y.dtype.element_ty)
+        tl.store(s + row * D + o, sr, mask=m)
+        xr = sr.to(tl.float32)
     n = xr * tl.rsqrt(tl.sum(xr * xr, axis=0) / D + eps)
     wr = tl.load(w + o, mask=m, other=0.).to(tl.float32)
     if ONE_PLUS:
@@ -52,25 +58,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     Returns:
         y: [..., D] of x's dtype, contiguous.
     """
+    _check(x, weight, bias, gate, "gate")
+    return _launch(x, weight, bias, eps, one_plus, gate, None)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 eps: float = 1e-6, one_plus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual (rounded to x's dtype, as torch adds), then `rms_norm(s, ...)`, in one launch (forward
+    only): where a block's output is added to the residual stream just before the next norm.
+
+    Args:
+        x, residual: [..., D] of one dtype (fp16 / bf16 / fp32) and shape; weight, bias, eps, one_plus as `rms_norm`.
+    Returns:
+        s, y: [..., D] of x's dtype, contiguous: the sum and its norm.
+    """
+    _check(x, weight, bias, residual, "residual")
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return s, _launch(x, weight, bias, eps, one_plus, None, (residual, s))
+
+
+def _check(x, weight, bias, other, name) -> None:
     D = x.shape[-1] if x.dim() else 0
     if x.dim() < 1 or D == 0 or D > 16384:
         raise ValueError(f"rms_norm expects x [..., D] with 0 < D <= 16384, got {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"rms_norm expects fp16, bf16 or fp32, got {x.dtype}")
-    for name, p in (("weight", weight), ("bias", bias)):
+    for pname, p in (("weight", weight), ("bias", bias)):
         if p is not None and (tuple(p.shape) != (D,) or p.dtype != x.dtype or p.device != x.device):
-            raise ValueError(f"rms_norm expects {name} [{D}] {x.dtype} on {x.device}, "
+            raise ValueError(f"rms_norm expects {pname} [{D}] {x.dtype} on {x.device}, "
                              f"got {tuple(p.shape)} {p.dtype} on {p.device}")
-    if gate is not None and (gate.shape != x.shape or gate.dtype != x.dtype or gate.device != x.device):
-        raise ValueError(f"rms_norm expects gate {tuple(x.shape)} {x.dtype} on {x.device}, "
-                         f"got {tuple(gate.shape)} {gate.dtype} on {gate.device}")
+    if other is not None and (other.shape != x.shape or other.dtype != x.dtype or other.device != x.device):
+        raise ValueError(f"rms_norm expects {name} {tuple(x.shape)} {x.dtype} on {x.device}, "
+                         f"got {tuple(other.shape)} {other.dtype} on {other.device}")
+
+
+def _launch(x, weight, bias, eps, one_plus, gate, res) -> torch.Tensor:
+    """The kernel over x's rows; res = (residual, s) for `add_rms_norm`."""
+    D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
     z2 = gate.reshape(-1, D).contiguous() if gate is not None else x2
+    r2, s2 = (res[0].reshape(-1, D).contiguous(), res[1].view(-1, D)) if res is not None else (x2, x2)
     y = torch.empty_like(x2)
     if x2.shape[0]:
         BD = triton.next_power_of_2(D)
-        rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), bias if bias is not None else weight, z2, y, D,
-                                            eps, HAS_BIAS=bias is not None, ONE_PLUS=one_plus,
-                                            HAS_GATE=gate is not None, BD=BD,
+        rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), bias if bias is not None else weight, z2, r2,
+                                            s2, y, D, eps, HAS_BIAS=bias is not None, ONE_PLUS=one_plus,
+                                            HAS_GATE=gate is not None, HAS_RES=res is not None, BD=BD,
                                             num_warps=4 if BD <= 2048 else 8)
     return y.view(x.shape)

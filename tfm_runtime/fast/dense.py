@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tfm_kernels.rms_norm import add_rms_norm as fused_add_rms_norm
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
 from tfm_kernels.rope import rope_cache as fused_rope_cache
 from tfm_runtime.models.common import inference_kernel_ok
@@ -155,6 +156,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return fused_rms_norm(x, weight, None, eps)
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
+                 one_plus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + r (a block's output joining the residual stream) and its `rms_norm` (with `one_plus`: Qwen3.5's
+    `rms_norm_1p`) -> (sum, norm); on CUDA one launch of `tfm_kernels.rms_norm.add_rms_norm`, the same roundings."""
+    if inference_kernel_ok(x, r, weight):
+        return fused_add_rms_norm(x, r, weight, None, eps, one_plus=one_plus)
+    x = x + r
+    if one_plus:
+        xf = x.float()
+        return x, (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
+    return x, rms_norm(x, weight, eps)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -314,9 +328,9 @@ class DenseModel:
         c = self.cfg
         T, nh, nkv, D, eps = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         x = F.embedding(tokens, self.embed)                                                 # [T, H]
+        h = rms_norm(x, self.layers[0].attn_norm, eps)
         taps = {}
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w.attn_norm, eps)
             q = F.linear(h, w.wq, w.bq).view(T, nh, D)
             k = F.linear(h, w.wk, w.bk).view(T, nkv, D)
             v = F.linear(h, w.wv, w.bv).view(T, nkv, D)
@@ -324,13 +338,11 @@ class DenseModel:
                 q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
             q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[i], self.v_cache[i])
             o = attend(i, q, k, v)                                                          # [T, Hq, D]
-            x = x + F.linear(o.reshape(T, nh * D), w.wo, w.bo)
-            h = rms_norm(x, w.mlp_norm, eps)
-            x = x + F.linear(F.silu(F.linear(h, w.w_gate, w.b_gate)) * F.linear(h, w.w_up, w.b_up), w.w_down,
-                             w.b_down)
+            x, h = add_rms_norm(x, F.linear(o.reshape(T, nh * D), w.wo, w.bo), w.mlp_norm, eps)
+            mlp = F.linear(F.silu(F.linear(h, w.w_gate, w.b_gate)) * F.linear(h, w.w_up, w.b_up), w.w_down, w.b_down)
+            x, h = add_rms_norm(x, mlp, self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm, eps)
             if i in self.tap_layer_ids:
                 taps[i] = x
-        h = rms_norm(x, self.norm, eps)
         taps = torch.cat([taps[i] for i in self.tap_layer_ids], -1) if taps else h.new_zeros(T, 0)
         return h, taps
 

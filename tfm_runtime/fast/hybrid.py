@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
-from tfm_runtime.fast.dense import DenseModel, DenseOutput, checked_weight, rope_into_cache
+from tfm_runtime.fast.dense import DenseModel, DenseOutput, add_rms_norm, checked_weight, rope_into_cache
 from tfm_runtime.models.common import inference_kernel_ok
 from tfm_runtime.models.gdn_tree_torch import tree_recurrence
 
@@ -443,17 +443,18 @@ class HybridModel(DenseModel):
         c = self.cfg
         T, eps = tokens.shape[0], c.rms_norm_eps
         x = F.embedding(tokens, self.embed)                                                 # [T, H]
+        h = rms_norm_1p(x, self.layers[0].attn_norm, eps)
         taps = {}
         for i, layer in enumerate(self.layers):
-            h = rms_norm_1p(x, layer.attn_norm, eps)
             if layer.kind == "full_attention":
-                x = x + self._attention(layer.mixer, layer.slot, h, pos, slots, attend)
+                mixed = self._attention(layer.mixer, layer.slot, h, pos, slots, attend)
             else:
-                x = x + self._gdn(layer.mixer, layer.slot, h, tree)
-            x = x + self._mlp(layer.mlp, rms_norm_1p(x, layer.mlp_norm, eps))
+                mixed = self._gdn(layer.mixer, layer.slot, h, tree)
+            x, h = add_rms_norm(x, mixed, layer.mlp_norm, eps, one_plus=True)
+            nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+            x, h = add_rms_norm(x, self._mlp(layer.mlp, h), nxt, eps, one_plus=True)
             if i in self.tap_layer_ids:
                 taps[i] = x
-        h = rms_norm_1p(x, self.norm, eps)
         taps = torch.cat([taps[i] for i in self.tap_layer_ids], -1) if taps else h.new_zeros(T, 0)
         return h, taps
 

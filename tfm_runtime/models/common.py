@@ -39,6 +39,15 @@ class RMSNorm(nn.Module):
         y = self.weight * y.to(dt)
         return y + self.bias if self.bias is not None else y
 
+    def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + r (a block's output joining the residual stream) and its norm -> (sum, norm); in CUDA inference one
+        launch of `tfm_kernels.rms_norm.add_rms_norm` with the same roundings."""
+        if inference_kernel_ok(x, r, self.weight, self.bias):
+            from tfm_kernels.rms_norm import add_rms_norm
+            return add_rms_norm(x, r, self.weight, self.bias, self.eps)
+        x = x + r
+        return x, self(x)
+
 
 # Eager even inside torch.compile (a graph break): the tables are tiny, but computed in float64 and fused into
 # every consumer, inductor re-evaluated pow/cos/sin in float64 per element of q and k (8 of the 59 ms of a

@@ -117,12 +117,13 @@ class WeaverBlock(nn.Module):
         self.gate_up_proj = nn.Linear(r, 2 * cfg.mlp_dim)
         self.down_proj = nn.Linear(cfg.mlp_dim, r)
 
-    def qkv(self, x, cos, sin, positions=None, k_out=None, v_out=None):
-        """x [B, T, r]; cos, sin [B, T, hd] or [T, hd], or tables [P, hd] read at positions [B, T] -> q, k, v
-        [B, nh, T, hd] (q, k rotated; in CUDA inference by one launch of `tfm_kernels.rope`). k_out, v_out
-        [B, nh, T, hd] (e.g. a static K/V cache's next slots): k and v are written there and returned as k, v."""
+    def qkv(self, x, cos, sin, positions=None, k_out=None, v_out=None, normed=False):
+        """x [B, T, r] (`normed`: already through attn_norm); cos, sin [B, T, hd] or [T, hd], or tables [P, hd] read
+        at positions [B, T] -> q, k, v [B, nh, T, hd] (q, k rotated; in CUDA inference by one launch of
+        `tfm_kernels.rope`). k_out, v_out [B, nh, T, hd] (e.g. a static K/V cache's next slots): k and v are written
+        there and returned as k, v."""
         B, T, r = x.shape
-        qkv = self.qkv_proj(self.attn_norm(x)).view(B, T, 3, self.nh, r // self.nh)       # [B, T, 3, nh, hd]
+        qkv = self.qkv_proj(x if normed else self.attn_norm(x)).view(B, T, 3, self.nh, r // self.nh)  # [B,T,3,nh,hd]
         if inference_kernel_ok(qkv, cos, sin, self.qkv_proj.weight):
             from tfm_kernels.rope import rope_qk
             q, k = rope_qk(qkv, cos, sin, positions=positions, k_out=k_out, v_out=v_out)
@@ -135,12 +136,14 @@ class WeaverBlock(nn.Module):
             k, v = k_out.copy_(k), v_out.copy_(v)
         return q, k, v
 
-    def finish(self, x, q, k, v, mask):
-        """Attention of q over (k, v) with boolean mask [B, 1, T, S], then the MLP; residual adds."""
+    def finish(self, x, q, k, v, mask, next_norm: RMSNorm | None = None):
+        """Attention of q over (k, v) with boolean mask [B, 1, T, S], then the MLP; residual adds -> x, or with
+        `next_norm` (x, next_norm(x)) (each add and the norm after it: one launch in CUDA inference)."""
         B, _, T, hd = q.shape
         o = small_attention(q, k, v, mask)
-        x = x + self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * hd))
-        return x + self.down_proj(swiglu(self.gate_up_proj(self.mlp_norm(x))))
+        x, h = self.mlp_norm.add(x, self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * hd)))
+        y = self.down_proj(swiglu(self.gate_up_proj(h)))
+        return x + y if next_norm is None else next_norm.add(x, y)
 
 
 @dataclass(frozen=True)
@@ -247,7 +250,7 @@ class Weaver(nn.Module):
         self.blocks = nn.ModuleList(WeaverBlock(cfg) for _ in range(cfg.num_layers))
         self.out_norm = RMSNorm(cfg.d_rank, cfg.rms_eps)
         self.lm_head_query_in = nn.Linear(cfg.d_rank, cfg.d_model, bias=False)
-        self._rope_tables: dict = {}                      # (device, dtype) -> cos, sin by node depth
+        self._rope_tables: dict = {}                      # cos, sin (and the prefix's causal mask) made once
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -270,13 +273,19 @@ class Weaver(nn.Module):
         """h_final [B, H], u [B, L, H] -> WeaverState holding the causal prefix K/V of every layer."""
         x = self.proposal_in(self.output_norm(torch.cat([h_final[:, None], u], dim=1)))   # [B, 1+L, r]
         T = x.shape[1]
-        cos, sin = self._rope(torch.arange(T, device=x.device), x.dtype)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+        key = ("prefix", T, x.device, x.dtype)
+        if key not in self._rope_tables:                  # positions 0..T-1 and the causal mask: made once
+            cos, sin = self._rope(torch.arange(T, device=x.device), x.dtype)                # [T, hd] each
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]   # [1, 1, T, T]
+            self._rope_tables[key] = cos, sin, causal
+        cos, sin, causal = self._rope_tables[key]
         ks, vs = [], []
-        for blk in self.blocks:
-            q, k, v = blk.qkv(x, cos, sin)
+        h = self.blocks[0].attn_norm(x)
+        for i, blk in enumerate(self.blocks):
+            q, k, v = blk.qkv(h, cos, sin, normed=True)
             ks.append(k), vs.append(v)
-            x = blk.finish(x, q, k, v, causal)
+            if i + 1 < len(self.blocks):              # the last block's output is not part of the state
+                x, h = blk.finish(x, q, k, v, causal, next_norm=self.blocks[i + 1].attn_norm)
         return WeaverState(ks, vs)
 
     def step(self, state: WeaverState, tokens: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor | None,
@@ -297,17 +306,19 @@ class Weaver(nn.Module):
             mask = torch.cat([visible.new_ones(B, W, P), visible, eye], dim=-1)[:, None]  # [B, 1, W, P+Nt+W]
         elif tuple(mask.shape) != (B, 1, W, P + Nt + W):
             raise ValueError(f"mask must be [{B}, 1, {W}, {P + Nt + W}], got {list(mask.shape)}")
+        h = self.blocks[0].attn_norm(x)
         for i, blk in enumerate(self.blocks):
             if state.capacity is None:
-                q, k, v = blk.qkv(x, cos, sin, positions=depths)
+                q, k, v = blk.qkv(h, cos, sin, positions=depths, normed=True)
                 ks, vs = state.append(i, k, v)                                            # [B, nh, P+Nt+W, hd]
             else:                                     # k, v written straight into the static state's slots
-                q, _, _ = blk.qkv(x, cos, sin, depths, *state.slots(i, W))
+                q, _, _ = blk.qkv(h, cos, sin, depths, *state.slots(i, W), normed=True)
                 ks, vs = state.keys(i, W)                                                 # [B, nh, P+Nt+W, hd]
-            x = blk.finish(x, q, ks, vs, mask)
+            nxt = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.out_norm
+            x, h = blk.finish(x, q, ks, vs, mask, next_norm=nxt)
         state.advance(W)
         assert state.num_nodes == Nt + W
-        return self.out_norm(x)
+        return h
 
     def score(self, h: torch.Tensor, cand_ids: torch.Tensor, cand_logits: torch.Tensor,
               lm_head_weight: torch.Tensor, scoring: WeaverScoring = WeaverScoring()) -> torch.Tensor:

@@ -103,6 +103,7 @@ class FastDecoder:
         # graphed verify pads every tree to max_nodes anyway: then static trees go in padded, no host read first
         self.pad_trees = isinstance(self.runner, GraphedTarget) and self.runner.enabled
         self.capture_trees = cuda_graphs and self.model.device.type == "cuda"
+        self._anc_graphs: dict[int, tuple] = {}          # parents buffer -> (graph, ancestor mask) (`_nodes`)
 
     def _prompt(self, prompt_ids, max_new_tokens: int, tree_nodes: int) -> torch.Tensor:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.model.device)
@@ -196,9 +197,25 @@ class FastDecoder:
         return b is self.weaver_builder and self.pad_trees and b.first_rounds < b.rounds
 
     def _nodes(self, trees):
-        """-> the tree's (tokens [n], depths [n], ancestor mask [n, n]) on the device (see `_static_tree`)."""
+        """-> the tree's (tokens [n], depths [n], ancestor mask [n, n]) on the device (see `_static_tree`). Padded
+        trees from captured builders (fixed buffers) get their ancestor mask from a CUDA graph of its own."""
         n = trees.tokens.shape[1] if self.pad_trees else int(trees.num_nodes[0])
-        anc = ancestor_masks(trees.parents[:, :n], self.drafter.lookahead)[0]               # [n, n]
+        parents = trees.parents[:, :n]                                                      # [1, n]
+        if not (self.pad_trees and self.capture_trees):
+            return trees.tokens[0, :n], trees.depths[0, :n], ancestor_masks(parents, self.drafter.lookahead)[0]
+        key = parents.data_ptr()
+        if key not in self._anc_graphs:               # a builder's output buffers: one graph per buffer
+            side = torch.cuda.Stream(self.model.device)
+            side.wait_stream(torch.cuda.current_stream(self.model.device))
+            with torch.cuda.stream(side):
+                ancestor_masks(parents, self.drafter.lookahead)                             # warm-up
+            torch.cuda.current_stream(self.model.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                anc = ancestor_masks(parents, self.drafter.lookahead)[0]                    # [n, n]
+            self._anc_graphs[key] = (graph, anc)
+        graph, anc = self._anc_graphs[key]
+        graph.replay()
         return trees.tokens[0, :n], trees.depths[0, :n], anc
 
     @staticmethod

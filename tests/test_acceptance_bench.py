@@ -23,6 +23,24 @@ def prompts_dir(tmp_path):
     return str(d)
 
 
+def stopped_run(argv, out, writes, monkeypatch) -> dict:
+    """`acceptance.main(argv)` interrupted (KeyboardInterrupt) right after it writes its results for the `writes`-th
+    time: the results file it leaves."""
+    write, calls = acceptance.write_results, []
+
+    def stop(path, result):
+        write(path, result)
+        calls.append(1)
+        if len(calls) == writes:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(acceptance, "write_results", stop)
+    with pytest.raises(KeyboardInterrupt):
+        acceptance.main(argv)
+    monkeypatch.undo()
+    with open(out) as f:
+        return json.load(f)
+
+
 def test_a_resumed_run_keeps_finished_phases_and_runs_the_rest(prompts_dir, tmp_path, capsys):
     out = str(tmp_path / "acceptance.json")
     acceptance.main(ARGS + ["--prompts-dir", prompts_dir, "--datasets", "mtbench", "--check-prompts", "0",
@@ -116,18 +134,7 @@ def test_a_t1_phase_stopped_part_way_resumes_after_its_last_row(prompts_dir, tmp
     whole = str(tmp_path / "whole.json")
     acceptance.main(args + ["--out", whole])
     out = str(tmp_path / "stopped.json")
-    write, calls = acceptance.write_results, []
-
-    def stop_after_two_t1_rows(path, result):
-        write(path, result)
-        calls.append(1)
-        if len(calls) == 4:                                   # t0 and T = 1 walk phases, two traversal rows
-            raise KeyboardInterrupt
-    monkeypatch.setattr(acceptance, "write_results", stop_after_two_t1_rows)
-    with pytest.raises(KeyboardInterrupt):
-        acceptance.main(args + ["--out", out])
-    monkeypatch.undo()
-    stopped = json.load(open(out))
+    stopped = stopped_run(args + ["--out", out], out, 4, monkeypatch)    # t0 and T = 1 walks, two traversal rows
     assert stopped["finished"] == [["t0", "mtbench"], ["t1_walk", "mtbench"]] and len(stopped["t1_partial"]) == 2
     stopped["rows"][-1]["acceptance_length"] = 99.0           # a kept row is taken as written, not recomputed
     stopped["notes"] = {"why": "kept"}
@@ -152,18 +159,7 @@ def test_a_walk_phase_stopped_part_way_resumes_after_its_last_group(prompts_dir,
     whole = str(tmp_path / "whole.json")
     acceptance.main(args + ["--out", whole])
     out = str(tmp_path / "stopped.json")
-    write, calls = acceptance.write_results, []
-
-    def stop_after_two_groups(path, result):
-        write(path, result)
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(acceptance, "write_results", stop_after_two_groups)
-    with pytest.raises(KeyboardInterrupt):
-        acceptance.main(args + ["--out", out])
-    monkeypatch.undo()
-    stopped = json.load(open(out))
+    stopped = stopped_run(args + ["--out", out], out, 2, monkeypatch)    # after two groups of one prompt
     part = stopped["walk_partial"]
     assert stopped["finished"] == [] and stopped["rows"] == [] and (part["phase"], part["next"]) == ("t0", 2)
     assert all(t["steps"] > 0 and len(t["per_request"]) == 2 for _, t in part["tallies"])

@@ -101,7 +101,7 @@ def test_bad_recipes_are_refused_before_any_stage_runs(tmp_path):
     assert r.returncode == 2 and "--until 'b'" in r.stderr
 
 
-@pytest.mark.parametrize("recipe", ["recipe.yaml", "demo.yaml"])
+@pytest.mark.parametrize("recipe", ["recipe.yaml", "demo.yaml", "recipe_t1.yaml"])
 def test_the_committed_smollm2_recipes_hold_valid_configs(tmp_path, recipe):
     """Every collect and train config of recipes/smollm2 parses once `{work}` is resolved, and the demo's export
     pushes to the repository pipelines.demo loads back."""
@@ -111,14 +111,17 @@ def test_the_committed_smollm2_recipes_hold_valid_configs(tmp_path, recipe):
     from pipelines.recipe.__main__ import Recipe, stage_command
     from pipelines.train.config import TrainConfig
     r = Recipe.load(os.path.join(ROOT, "recipes", "smollm2", recipe))
-    work = str(tmp_path)
+    work, cfgs = str(tmp_path), {}
     for stage in r.stages:
         cmd = stage_command(stage, r, work, {})
         if stage.kind in ("collect", "train"):
             with open(cmd[cmd.index("--config") + 1]) as f:
                 d = yaml.safe_load(f)
-            cfg = (CollectConfig if stage.kind == "collect" else TrainConfig).from_dict(d)
+            cfgs[stage.name] = cfg = (CollectConfig if stage.kind == "collect" else TrainConfig).from_dict(d)
             assert cfg.output_dir.startswith(work)
+    if recipe == "recipe_t1.yaml":                # sampled continuations, in folders apart from the recipe's
+        assert cfgs["anchors_t1"].temperature == 1.0 and cfgs["anchors_t1"].output_dir == f"{work}/anchors_t1"
+        assert cfgs["weaver_t1"].data == [f"{work}/anchors_t1"] and cfgs["weaver_t1"].output_dir == f"{work}/weaver_t1"
     if recipe == "demo.yaml":
         from pipelines.demo import REPO_ID
         export = [s for s in r.stages if s.kind == "export"]

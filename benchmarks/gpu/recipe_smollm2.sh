@@ -19,7 +19,10 @@
 # FROM_ASSETS=1: the committed drafter (assets/smollm2-135m-instruct/dflash-b16) stands for the regenerate, dflash
 # and export_dflash stages, so the recipe goes on with Weaver's shards. ACCEPT=1: once the Weaver is exported, the
 # acceptance benchmark (fp32) runs too in the call's time left, with ACCEPT_ARGS (e.g. "--limit 40 --t1-prompts 2"),
-# resuming where it stopped (it saves after each phase of each dataset).
+# resuming where it stopped (it saves after each group of prompts and each phase).
+# RECIPE=recipe_t1.yaml (with FROM_ASSETS=1): the T = 1 experiment, a Weaver trained along sampled continuations;
+# with ACCEPT=1 ACCEPT_AFTER=export_weaver_t1 ACCEPT_ADAPTERS="--adapter assets/smollm2-135m-instruct/weaver
+# --adapter /root/work/artifacts/weaver_t1" the acceptance benchmark compares it with the committed Weaver.
 set -u -o pipefail
 START=$SECONDS
 OUT=${OUT:-out}
@@ -56,18 +59,18 @@ if [ "${FROM_ASSETS:-0}" = 1 ] && [ ! -f "$WORK/done/dflash.json" ]; then
       >"$WORK/done/$s.json"
   done
 fi
-timeout $(( ${DEADLINE:-530} + 50 )) python3 -m pipelines.recipe --recipe recipes/smollm2/recipe.yaml --work "$WORK" \
+timeout $(( ${DEADLINE:-530} + 50 )) python3 -m pipelines.recipe --recipe "recipes/smollm2/${RECIPE:-recipe.yaml}" --work "$WORK" \
   --deadline "${DEADLINE:-530}" --collect-args="--no-ray --no-progress" --train-args=--no-progress \
   ${UNTIL:+--until $UNTIL} >"$OUT/recipe.stdout" 2>&1
 rc=$?
 grep -E "tfm\.(recipe|train|collect)|Error|error" "$OUT/recipe.stdout" | grep -v "^\s*$" | tail -25 | cut -c1-400
 B=/tmp/bundle; rm -rf $B; mkdir -p $B                    # $OUT takes at most 8 files: small ones go in one tar
 LEFT=$(( ${ACCEPT_S:-565} - (SECONDS - START) ))           # the call's time left, tar and xz included
-if [ "${ACCEPT:-0}" = 1 ] && [ -f "$WORK/done/export_weaver.json" ] && [ $LEFT -gt 60 ]; then
+if [ "${ACCEPT:-0}" = 1 ] && [ -f "$WORK/done/${ACCEPT_AFTER:-export_weaver}.json" ] && [ $LEFT -gt 60 ]; then
   accept() {
     local t=$(( ${ACCEPT_S:-565} - (SECONDS - START) )); [ $t -gt 30 ] || return 124   # timeout 0 would not stop
     timeout $t python3 -m benchmarks.runtime.acceptance --world smollm2 \
-      --target "$WORK/target" --adapter "$WORK/artifacts/weaver" --dtype float32 --prompts-dir $WORK/prompts \
+      --target "$WORK/target" ${ACCEPT_ADAPTERS:---adapter $WORK/artifacts/weaver} --dtype float32 --prompts-dir $WORK/prompts \
       --out $WORK/acceptance.json --resume --plot $WORK/acceptance.png --no-progress ${ACCEPT_ARGS:-} "$@" \
       >>$WORK/acceptance.stdout 2>&1
   }
@@ -78,15 +81,15 @@ if [ "${ACCEPT:-0}" = 1 ] && [ -f "$WORK/done/export_weaver.json" ] && [ $LEFT -
   tail -12 $WORK/acceptance.stdout
   cp $WORK/acceptance.* $B/ 2>/dev/null
 fi
-for run in dflash weaver; do                            # metrics so far (the models travel as artifacts)
+for run in dflash weaver weaver_t1; do                            # metrics so far (the models travel as artifacts)
   for f in metrics.jsonl train_config.json summary.json; do
     [ -f "$WORK/$run/$f" ] && cp "$WORK/$run/$f" "$B/${run}_$f"
   done
 done
-for d in text anchors; do [ -f "$WORK/$d/manifest.json" ] && cp "$WORK/$d/manifest.json" "$B/${d}_manifest.json"; done
+for d in text anchors anchors_t1; do [ -f "$WORK/$d/manifest.json" ] && cp "$WORK/$d/manifest.json" "$B/${d}_manifest.json"; done
 cp "$OUT/recipe.stdout" $B/ && rm "$OUT/recipe.stdout"
 tar -C $B -cf - . | xz -1 >"$OUT/results.tar.xz"
-for a in dflash-b16 weaver; do                          # exported artifacts, in files of at most 16 MiB
+for a in dflash-b16 weaver weaver_t1; do                          # exported artifacts, in files of at most 16 MiB
   [ -d "$WORK/artifacts/$a" ] && tar -C "$WORK/artifacts" -cf - "$a" | xz -1 | split -b 15M -d - "$OUT/$a.tar.xz."
 done
 ls "$WORK/done"; ls -la "$OUT"

@@ -361,9 +361,10 @@ def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """parents [B, N] long (-1 at roots and padding) -> [B, N, N] bool, inclusive: row i is True at i and its
     ancestors, for trees at most `max_depth` deep (e.g. the lookahead L). The closure of "i or its parent" by
     repeated squaring: ceil(log2(max_depth)) matmuls of 0/1 matrices (exact in float32: sums <= N), no host reads,
-    so a padded row of `WeaverTrees` gives its padding nodes a row that sees only themselves (as `graphs.pad_tree`)."""
+    so a padded row of `WeaverTrees` gives its padding nodes a row that sees only themselves (as `graphs.pad_tree`).
+    Elementwise ops and matmuls only (no value checks that read the host): capturable in a CUDA graph."""
     B, N = parents.shape
-    step = torch.nn.functional.one_hot(parents.clamp(min=0), N).bool() & (parents >= 0)[..., None]   # [B, N, N]
+    step = (parents[..., None] == torch.arange(N, device=parents.device)) & (parents >= 0)[..., None]  # [B, N, N]
     reach = (step | torch.eye(N, dtype=torch.bool, device=parents.device)).float()       # [B, N, N] <= 1 level
     for _ in range(max(0, math.ceil(math.log2(max(max_depth, 1))))):
         reach = (reach @ reach).clamp_(max=1.0)                                           # <= 2x the levels

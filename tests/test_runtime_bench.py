@@ -32,6 +32,10 @@ def test_smoke_rows(tmp_path):
     ratios = res["ratios"]
     assert ratios["ar_over_hf_static_compiled"]["value"] is None and ratios["tree_build_ms_captured"]["met"] is None
     assert ratios["weaver_step_over_ar_step"]["value"] > 0
+    best = max((r for r in rows if r["engine"] == "ours weaver" and r["budget"] == 8), key=lambda r: r["tokens_per_s"])
+    assert ratios["best_width"] == best["width"] and ratios["best_width_weaver_tokens_per_s_over_ar"]["value"] == round(
+        best["tokens_per_s"] / next(r for r in rows if r["engine"] == "ours ar")["tokens_per_s"], 4)
+    assert "best_width_weaver_tokens_per_s_over_ar" in runtime_bench.table(res)
     check = res["crosscheck"]
     assert check["cases"] == 3 and check["identical"] == 3 and check["ar_identical"] == 1 and not check["mismatches"]
 

@@ -35,15 +35,15 @@ def weaver_place_kernel(front_int, front_flt, perm, slot_int, slot_flt, slot_pla
         ahead = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (o_j[None, :] < o_m[:, None]))
         rank += tl.sum((ahead & (o_j < M)[None, :]).to(tl.int32), axis=1)
     tl.store(perm + b * M + rank, o_m.to(tl.int64), mask=m_m)                                 # perm[rank] = entry
-    tl.debug_barrier()
+    tl.debug_barrier()                                # perm written by other threads: read it from L2 (.cg)
     # every read first: the keep below overwrites frontier rows that the slots read
-    e = tl.load(perm + b * M + o_w, mask=m_w, other=0)                                       # [BW]
+    e = tl.load(perm + b * M + o_w, mask=m_w, other=0, cache_modifier=".cg")                 # [BW]
     par = tl.load(front_int + (b * M + e) * 3, mask=m_w, other=0)
     tk = tl.load(front_int + (b * M + e) * 3 + 1, mask=m_w, other=0)
     dp = tl.load(front_int + (b * M + e) * 3 + 2, mask=m_w, other=0)
     sc = tl.load(front_flt + (b * M + e) * 2, mask=m_w, other=float("-inf"))
     lq = tl.load(front_flt + (b * M + e) * 2 + 1, mask=m_w, other=0.)
-    k = tl.load(perm + b * M + W + o_n, mask=m_n, other=0)                                   # [BN]
+    k = tl.load(perm + b * M + W + o_n, mask=m_n, other=0, cache_modifier=".cg")             # [BN]
     k_par = tl.load(front_int + (b * M + k) * 3, mask=m_n, other=0)
     k_tok = tl.load(front_int + (b * M + k) * 3 + 1, mask=m_n, other=0)
     k_dep = tl.load(front_int + (b * M + k) * 3 + 2, mask=m_n, other=0)

@@ -77,10 +77,12 @@ def run(args) -> dict:
                 n = traj.draft_logits.shape[0]
                 truth = torch.stack([y[j + 1:j + 1 + L] for j in range(n)])                  # [n, L]
                 chain = torch.stack([y[j:j + L] for j in range(n)])                          # [n, L] root, x_1..
-                cand_logits, cand_ids = traj.draft_logits.topk(min(K, traj.draft_logits.shape[-1]), dim=-1)
-                logq = weaver.forward_chain(traj.h_last, traj.draft_hidden, chain, cand_ids, cand_logits, embed,
-                                            head)                                             # [n, L, K]
-                stats.add(truth, cand_ids, cand_logits.float().log_softmax(-1), logq.float())
+                for lo in range(0, n, args.chunk):                # the scoring gathers [chunk, L, K, d_model]
+                    sl = slice(lo, lo + args.chunk)
+                    cand_logits, cand_ids = traj.draft_logits[sl].topk(min(K, traj.draft_logits.shape[-1]), dim=-1)
+                    logq = weaver.forward_chain(traj.h_last[sl], traj.draft_hidden[sl], chain[sl], cand_ids,
+                                                cand_logits, embed, head)                     # [chunk, L, K]
+                    stats.add(truth[sl], cand_ids, cand_logits.float().log_softmax(-1), logq.float())
             rows.append({"dataset": dataset, "temperature": temperature, "adapter": name, "prompts": len(records),
                          **stats.row()})
     return {"world": world, "max_new_tokens": args.max_new_tokens, "candidate_pool": K, "rows": rows}
@@ -95,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--group", type=int, default=8, help="prompts decoded together")
+    ap.add_argument("--chunk", type=int, default=16, help="positions scored together")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], help="default: bf16 on CUDA, fp32 on CPU")

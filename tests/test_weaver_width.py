@@ -37,6 +37,28 @@ def test_default_width_rows_equal_the_acceptance_bench(tmp_path):
         assert rows[1][k] == ref[k], k                          # steps 16 at budget 8: the default width 1
 
 
+def test_t1_rows_with_more_children_per_node(tmp_path):
+    """--temperature 1: the default shape's row equals the acceptance bench's T = 1 Weaver row (the same samples);
+    each --expands value gives its row."""
+    d = tmp_path / "prompts"
+    d.mkdir()
+    with open(d / "mtbench.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": f"question {i}: tell me more."}) + "\n" for i in range(3))
+    common = ["--world", "tiny", "--prompts-dir", str(d), "--datasets", "mtbench", "--limit", "3", "--budgets", "16",
+              "--max-new-tokens", "12", "--no-progress", "--dtype", "float32"]
+    out = tmp_path / "width.json"
+    weaver_width.main(common + ["--steps", "16", "--temperature", "1", "--expands", "8", "2", "--out", str(out)])
+    res = json.load(open(out))
+    rows = {r["expand"]: r for r in res["rows"]}
+    assert res["temperature"] == 1.0 and sorted(rows) == [2, 8] and {r["temperature"] for r in rows.values()} == {1.0}
+    assert "| 16 | 1 | 2 |" in weaver_width.table(res)
+    bench = tmp_path / "acceptance.json"
+    acceptance.main(common + ["--check-prompts", "0", "--t1-prompts", "0", "--out", str(bench)])
+    [ref] = [r for r in json.load(open(bench))["rows"] if r["proposal"] == "weaver" and r["temperature"] == 1.0]
+    for k in ("acceptance_length", "verify_steps", "new_tokens", "accept_rate_by_depth"):
+        assert rows[8][k] == ref[k], k
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_wider_steps_walk_as_the_decoder_decodes(family):
     """At each width the walk along the greedy continuation (reference and shape-static trees) gives the decoder's

@@ -12,7 +12,8 @@
 #                              also runtime_bench on random weights)
 #   STEP=2 carry .gguf2 .carry join and prepare the target (ROLLOUT=1: rollout_bench with its correctness check)
 #   STEP=3                     runtime_bench on the real target (MT-Bench prompts) and the Qwen3.6-27B shape bench
-#                              (WIDTH=1: weaver_width too); STEP=4 carry .carry: the acceptance bench (ACC_S seconds)
+#                              STEP=4 carry .carry: the acceptance bench (ACC_S seconds); STEP=5: weaver_width
+#                              over expand 8 / 16 / 32 at T = 0 and 1
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; T0=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -68,12 +69,15 @@ case ${STEP:-1} in
     tail -5 "$OUT/bench.log" | grep -iE "error|Traceback" && tail -20 "$OUT/bench.log"
     timeout "$(left 480)" python3 -m benchmarks.runtime.shape27b_bench --out "$OUT/runtime_27b_h200.json" \
       >"$OUT/shape27b.log" 2>&1
-    echo "27b shape: exit $? ($(( $(date +%s) - T0 )) s)"; tail -25 "$OUT/shape27b.log" | cut -c1-250
-    [ "${WIDTH:-0}" = 1 ] || { echo "step 3 done ($(( $(date +%s) - T0 )) s)"; exit 0; }
-    timeout "$(left 570)" python3 -m benchmarks.runtime.weaver_width --target /root/work/target \
-      --adapter assets/smollm2-135m-instruct/weaver --prompts-dir /root/work/prompts --limit 32 --group 32 \
-      --no-progress --out "$OUT/weaver_width.json" >"$OUT/width.log" 2>&1
-    echo "width: exit $? ($(( $(date +%s) - T0 )) s)"; tail -14 "$OUT/width.log" | cut -c1-250 ;;
+    echo "27b shape: exit $? ($(( $(date +%s) - T0 )) s)"; tail -25 "$OUT/shape27b.log" | cut -c1-250 ;;
+5)  for t in 0 1; do                                  # children per node at both temperatures (T = 1, 12 MT-Bench
+      timeout "$(left $(( 270 + 300 * t )))" python3 -m benchmarks.runtime.weaver_width \
+        --target /root/work/target --adapter assets/smollm2-135m-instruct/weaver --prompts-dir /root/work/prompts \
+        --limit 32 --group 32 --budgets 64 --steps 16 4 --expands 8 16 32 --temperature $t --no-progress \
+        --out "$OUT/weaver_expand_t$t.json" >>"$OUT/width.log" 2>&1     # prompts on the CPU: expand 8 -> 32 +5%)
+      echo "expand T=$t: exit $? ($(( $(date +%s) - T0 )) s)"
+    done
+    grep -E "^\|" "$OUT/width.log" | cut -c1-200 ;;
 4)  acc "$(left ${ACC_S:-570})" ;;
 esac
 echo "step ${STEP:-1} done ($(( $(date +%s) - T0 )) s)"

@@ -11,12 +11,12 @@ def place_ref(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count
     place.
 
     front_int [B, M, 3] long (parent slot, token, depth), front_flt [B, M, 2] f64 (score, log q): the frontier;
-    perm [B, M] long, written: its entries by rank (a stable sort by score, descending); slot_int [B, P, 3], slot_flt [B, P, 2],
-    slot_placed [B, P] bool: the placement slots; count [B] long: nodes placed so far; visible [B, S, S] bool: row s,
-    the slots of the node in slot s's ancestors and itself (rows s0.. written when `expand`: the slot's parent's row,
-    the parent, and the slot itself; only itself where the slot does not expand); out = (tok, dep [B, W] long, score [B, W] f64,
-    active [B, W] bool): the slots' token and depth (0 where not active), score, and whether the slot is a node at a
-    depth < lookahead (it expands in the next Weaver step).
+    perm [B, M] long, written: its entries by rank (a stable sort by score, descending); slot_int [B, P, 3],
+    slot_flt [B, P, 2], slot_placed [B, P] bool: the placement slots; count [B] long: nodes placed so far;
+    visible [B, S, S] bool: row s, the slots of the node in slot s's ancestors and itself (rows s0.. written when
+    `expand`: the slot's parent's row, the parent, and the slot itself; only itself where the slot does not expand);
+    out = (tok, dep [B, W] long, score [B, W] f64, active [B, W] bool): the slots' token and depth (0 where not
+    active), score, and whether the slot is a node at a depth < lookahead (it expands in the next Weaver step).
     """
     tok, dep, score, active = out
     B, W = tok.shape

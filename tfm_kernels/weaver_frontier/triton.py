@@ -3,8 +3,8 @@ build runs both once per round, in sixteen or more sequential rounds, where laun
 
 `place` does what `ref.place_ref` does in a sort and about twenty-five torch launches: rank the frontier (each
 entry's rank in a stable sort of the scores, descending, counted: the entries that go before it), read the `width`
-best entries, write them to their placement slots, count the placed ones, keep the next
-`budget` entries at the head of the frontier, write the new slots' attention rows (ancestors and itself) and the step's token, depth, score
+best entries, write them to their placement slots, count the placed ones, keep the next `budget` entries at the
+head of the frontier, write the new slots' attention rows (ancestors and itself) and the step's token, depth, score
 and active flags. `push` does what `ref.push_ref` does in about twelve: write the children of a Weaver step's slots
 into the frontier (parent, token, depth, log q, and score = the parent's score + log q in f64, -inf where invalid)
 and mark the rows after them invalid. Both only move and compare values, and add two f64 values as the reference
@@ -95,7 +95,8 @@ def place(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, vi
                          f"P {P}, S {S}")
     as_i8 = [t.view(torch.int8) for t in (slot_placed, visible, active)]
     weaver_place_kernel[(B,)](front_int, front_flt, perm, slot_int, slot_flt, as_i8[0], count, as_i8[1],
-                              visible.stride(0), visible.stride(1), tok, dep, score, as_i8[2], s0, M, P, S, W, budget, lookahead, int(expand),
+                              visible.stride(0), visible.stride(1), tok, dep, score, as_i8[2], s0, M, P, S, W,
+                              budget, lookahead, int(expand),
                               BW=triton.next_power_of_2(W), BN=triton.next_power_of_2(budget),
                               BS=triton.next_power_of_2(S), BM=triton.next_power_of_2(M),
                               BJ=min(32, triton.next_power_of_2(M)), num_warps=4)

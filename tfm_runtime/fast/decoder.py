@@ -23,7 +23,7 @@ from tfm_runtime.engine import DecodeStats, GenerationOutput, SpeculativeDecoder
 from tfm_runtime.fast.ddtree import StaticChainBuilder, StaticDDTreeBuilder
 from tfm_runtime.fast.dense import DenseModel
 from tfm_runtime.fast.dflash import StaticDFlash
-from tfm_runtime.fast.graphs import GraphedTarget
+from tfm_runtime.fast.graphs import GraphedTarget, warm_up
 from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
 from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.weaver import Weaver
@@ -205,11 +205,7 @@ class FastDecoder:
             return trees.tokens[0, :n], trees.depths[0, :n], ancestor_masks(parents, self.drafter.lookahead)[0]
         key = parents.data_ptr()
         if key not in self._anc_graphs:               # a builder's output buffers: one graph per buffer
-            side = torch.cuda.Stream(self.model.device)
-            side.wait_stream(torch.cuda.current_stream(self.model.device))
-            with torch.cuda.stream(side):
-                ancestor_masks(parents, self.drafter.lookahead)                             # warm-up
-            torch.cuda.current_stream(self.model.device).wait_stream(side)
+            warm_up(lambda: ancestor_masks(parents, self.drafter.lookahead), runs=1)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 anc = ancestor_masks(parents, self.drafter.lookahead)[0]                    # [n, n]

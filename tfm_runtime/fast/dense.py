@@ -158,17 +158,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., C] -> x / rms(x) * (1 + weight), in fp32, cast back (Qwen3-Next / Qwen3.5 RMSNorm); on CUDA one launch
+    of `tfm_kernels.rms_norm` with the same rounding."""
+    if inference_kernel_ok(x, weight):
+        return fused_rms_norm(x, weight, None, eps, one_plus=True)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
+
+
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
                  one_plus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x + r (a block's output joining the residual stream) and its `rms_norm` (with `one_plus`: Qwen3.5's
-    `rms_norm_1p`) -> (sum, norm); on CUDA one launch of `tfm_kernels.rms_norm.add_rms_norm`, the same roundings."""
+    """x + r (a block's output joining the residual stream) and its `rms_norm` (with `one_plus`: `rms_norm_1p`) ->
+    (sum, norm); on CUDA one launch of `tfm_kernels.rms_norm.add_rms_norm`, the same roundings."""
     if inference_kernel_ok(x, r, weight):
         return fused_add_rms_norm(x, r, weight, None, eps, one_plus=one_plus)
     x = x + r
-    if one_plus:
-        xf = x.float()
-        return x, (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
-    return x, rms_norm(x, weight, eps)
+    return x, (rms_norm_1p if one_plus else rms_norm)(x, weight, eps)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -180,9 +186,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def rope_into_cache(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """q [T, Hq, D] (or None: keys and values only), k, v [T, Hkv, D]; cos, sin tables [S, R] (R <= D: the first R dims rotate) read at pos [T] ->
-    q, k rotated; k and v written to cache slots `slots` [T] of k_cache, v_cache [Hkv, S, D]. On CUDA one launch of
-    `tfm_kernels.rope.rope_cache` with the same roundings (about twelve torch launches)."""
+    """q [T, Hq, D] (or None: keys and values only), k, v [T, Hkv, D]; cos, sin tables [S, R] (R <= D: the first R
+    dims rotate) read at pos [T] -> q, k rotated; k and v written to cache slots `slots` [T] of k_cache, v_cache
+    [Hkv, S, D]. On CUDA one launch of `tfm_kernels.rope.rope_cache` with the same roundings (about twelve torch
+    launches)."""
     if inference_kernel_ok(k, v, cos, sin, k_cache, v_cache, q):
         return fused_rope_cache(q, k, v, cos, sin, pos, slots, k_cache, v_cache)
     c, s = cos[pos], sin[pos]                                                               # [T, R]

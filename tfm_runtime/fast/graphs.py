@@ -27,7 +27,7 @@ def pad_tree(tokens: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor, N: i
     return (torch.cat([tokens, tokens.new_zeros(N - n)]), torch.cat([depths, depths.new_zeros(N - n)]), pad_anc)
 
 
-def _warm_up(fn, runs: int = 2) -> None:
+def warm_up(fn, runs: int = 2) -> None:
     """Run fn on a side stream (what capture needs first: Triton compiles, cuBLAS workspaces)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -63,7 +63,7 @@ class GraphedTarget:
         depths = torch.zeros(N, dtype=torch.long, device=dev)                               # [N]
         anc = torch.eye(N, dtype=torch.bool, device=dev)                                    # [N, N]
         start = torch.full((1,), m.max_seq_len - N, dtype=torch.long, device=dev)           # [1] writes the tail
-        _warm_up(lambda: m.verify_tree(tokens, depths, anc, start))
+        warm_up(lambda: m.verify_tree(tokens, depths, anc, start))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = m.verify_tree(tokens, depths, anc, start)
@@ -76,7 +76,7 @@ class GraphedTarget:
             def commit():
                 m._stash = self.stashes[N]
                 m.commit_states(leaf)
-            _warm_up(commit)
+            warm_up(commit)
             commit_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(commit_graph):
                 commit()

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
-from tfm_runtime.fast.dense import DenseModel, DenseOutput, add_rms_norm, checked_weight, rope_into_cache
+from tfm_runtime.fast.dense import (DenseModel, DenseOutput, add_rms_norm, checked_weight, rms_norm_1p,
+                                    rope_into_cache)
 from tfm_runtime.models.common import inference_kernel_ok
 from tfm_runtime.models.gdn_tree_torch import tree_recurrence
 
@@ -140,15 +141,6 @@ def _check_type(kind) -> None:
     if kind not in FAMILIES:
         hint = "; pass the text model (Qwen3_5ForCausalLM, model_type 'qwen3_5_text')" if kind == "qwen3_5" else ""
         raise ValueError(f"the fast hybrid target supports model types {tuple(FAMILIES)}, got {kind!r}{hint}")
-
-
-def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., C] -> x / rms(x) * (1 + weight), in fp32, cast back (Qwen3-Next / Qwen3.5 RMSNorm); on CUDA one launch
-    of `tfm_kernels.rms_norm` with the same rounding."""
-    if inference_kernel_ok(x, weight):
-        return fused_rms_norm(x, weight, None, eps, one_plus=True)
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,8 +16,9 @@ children (E = min(expand, K)). Here every tree runs the same fixed number R of r
         keep:   the entries of rank width .. width+budget-1 stay, in rank order; the rest can never be placed
                 (at most `budget` more nodes are ever placed and later entries only push them further down)
         step:   (r < R) one Weaver step over the `width` slots (K/V slots 1+(r-1)width ..): slot w sees the prefix,
-                its parent's ancestors, the parent and itself (its row of `mask`, written by place); a slot that is not placed, or sits at
-                depth L, is padding (token 0, depth 0, sees nothing) as in the reference, and pushes nothing
+                its parent's ancestors, the parent and itself (its row of `mask`, written by place); a slot that is
+                not placed, or sits at depth L, is padding (token 0, depth 0, sees only itself) as in the reference,
+                and pushes nothing
         push:   slot w's top-E candidates of row depth enter the frontier as children (invalid where log q = -inf)
     finish:     placement slots -> node ids by a cumulative sum over slots (placement order = node order)
 
@@ -265,13 +266,13 @@ class StaticWeaverTreeBuilder:
     def _first(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """The first phase on the static buffers: reset, root step, rounds 1..R1, finish (a fixed op sequence)."""
         self._start(roots, h_final, dflash_hidden, cand_ids, cand_logits)
-        self._rounds(1, self.first_rounds, cand_ids, self.cand_logits)
+        self._rounds(1, self.first_rounds, cand_ids)
 
     @torch.no_grad()
     def _second(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """The second phase: rounds R1+1..R, finish (a no-op build when R1 = R)."""
         if self.first_rounds < self.rounds:
-            self._rounds(self.first_rounds + 1, self.rounds, cand_ids, self.cand_logits)
+            self._rounds(self.first_rounds + 1, self.rounds, cand_ids)
 
     def _start(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """Reset the buffers, then the root step."""
@@ -288,9 +289,9 @@ class StaticWeaverTreeBuilder:
         h = self.weaver.step(self.state, root, self.root_depth, None, self.embed_weight,
                              mask=self._step_mask(0, 1))                       # [B, 1, r]
         self.cand_logits.copy_(cand_logits)
-        self._push(h, 0, self.root_depth, self.root_active, self.root_score, cand_ids, self.cand_logits)
+        self._push(h, 0, self.root_depth, self.root_active, self.root_score, cand_ids)
 
-    def _rounds(self, first: int, last: int, cand_ids, cand_logits) -> None:
+    def _rounds(self, first: int, last: int, cand_ids) -> None:
         """Rounds first..last (each a fixed op sequence), then finish: node rows and `truncated`."""
         Wd, R = self.width, self.rounds
         for r in range(first, last + 1):
@@ -299,7 +300,7 @@ class StaticWeaverTreeBuilder:
             if r < R:
                 h = self.weaver.step(self.state, tok, dep, None, self.embed_weight,
                                      mask=self._step_mask(s0, Wd))             # [B, Wd, r]
-                self._push(h, s0, dep, active, score, cand_ids, cand_logits)
+                self._push(h, s0, dep, active, score, cand_ids)
         self._finish(active if last == R else None)
 
     def _step_mask(self, s0: int, width: int) -> torch.Tensor:
@@ -307,7 +308,7 @@ class StaticWeaverTreeBuilder:
         (the prefix, the slots' ancestors, each slot itself; no launch)."""
         return self.mask[:, s0: s0 + width, : self.state.prefix_len + s0 + width][:, None]
 
-    def _push(self, h, s0: int, dep, active, score, cand_ids, cand_logits) -> None:
+    def _push(self, h, s0: int, dep, active, score, cand_ids) -> None:
         """Children of the W slots of one step into frontier rows N .. N+Wd*E-1.
 
         h [B, W, r]; dep [B, W] long; active [B, W] bool (the slot is a node that expands); score [B, W] f64.
@@ -316,7 +317,7 @@ class StaticWeaverTreeBuilder:
         N, E, K, L = self.budget, self.E, self.K, self.L
         row = dep.clamp(max=L - 1)[..., None].expand(B, W, K)                 # [B, W, K] candidate row = depth
         ids = cand_ids.gather(1, row)                                          # [B, W, K]
-        logits = cand_logits.gather(1, row)                                    # [B, W, K]
+        logits = self.cand_logits.gather(1, row)                               # [B, W, K]
         top = self.weaver.score(h, ids, logits, self.lm_head_weight).topk(E, dim=-1)   # [B, W, E]
         push = fused_push if self.fused_frontier else push_ref
         push(self.front_int, self.front_flt, top.values, top.indices, ids, dep, active, score, s0, N)

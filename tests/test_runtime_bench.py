@@ -3,6 +3,7 @@ ratios and the greedy cross-check of FastDecoder against SpeculativeDecoder."""
 import json
 
 import pytest
+import torch
 
 from benchmarks.runtime import runtime_bench
 
@@ -122,3 +123,20 @@ def test_shape27b_smoke(tmp_path):
         assert r["budget"] == budget and 1 < r["nodes"] <= budget + 1
         assert r["verify_ms"] > 0 and r["tree_build_ms"] > 0 and r["acceptance_length"] > 1
         assert abs(r["projected_speedup_over_ar"] - r["acceptance_length"] * res["ar"]["ms"] / r["step_ms"]) < 0.01
+
+
+@pytest.mark.parametrize("warm_all", [False, True])
+def test_run_engine_warms_up_every_prompt(warm_all):
+    """No engine's timed calls meet a prompt for the first time: the process-wide first-shape costs (cuBLAS
+    heuristics, kernel specialisations) would otherwise fall on whichever engine is measured first."""
+    calls = []
+
+    def call(prompt, n):
+        calls.append((prompt, n))
+        return [0] * n, None
+
+    row, outs = runtime_bench.run_engine("fake", call, ["a", "bb", "ccc"], 32, torch.device("cpu"),
+                                         warm_all=warm_all)
+    short = 32 if warm_all else runtime_bench.WARM_TOKENS
+    assert calls == [("a", 32), ("bb", short), ("ccc", short), ("a", 32), ("bb", 32), ("ccc", 32)]
+    assert row["prompts"] == 3 and row["new_tokens"] == 96 and outs == [[0] * 32] * 3

@@ -35,7 +35,7 @@ acc() {   # the acceptance benchmark in the time left, resumed from /root/work/a
   timeout "$t" python3 -m benchmarks.runtime.acceptance --world smollm2 --target /root/work/target \
     --adapter assets/smollm2-135m-instruct/weaver --dtype float32 --prompts-dir /root/work/prompts \
     --out /root/work/acceptance.json --resume --plot /root/work/acceptance.png --no-progress \
-    --check-prompts 1 --t1-prompts 16 --group 64 >>/root/work/acceptance.stdout 2>&1
+    --check-prompts 1 --t1-prompts 16 --group "${ACC_GROUP:-64}" >>/root/work/acceptance.stdout 2>&1
   echo "acceptance: exit $?"; tail -5 /root/work/acceptance.stdout | cut -c1-300
   cp /root/work/acceptance.json /root/work/acceptance.png "$OUT/" 2>/dev/null
   python3 -c "import json;d=json.load(open('/root/work/acceptance.json'));print('finished',d['finished'],'partial',d['t1_partial'])"

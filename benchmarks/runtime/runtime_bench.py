@@ -13,8 +13,9 @@ first turns, chat-templated (by the target's tokenizer when the package data and
 for SmolLM2, the committed token ids benchmarks/data/smollm2_mtbench_ids.json), else the committed
 benchmarks/data/smollm2_prompts.json.
 
-Rows (`engine`): every engine decodes the same prompts after one warm-up call (its time: `first_call_s`; compiled HF
-warms up on every prompt); tokens/s = new tokens / wall seconds of the calls (prefill included), ms/token its inverse.
+Rows (`engine`): every engine decodes the same prompts after warming up on each of them (`run_engine`; the first
+call's time: `first_call_s`); tokens/s = new tokens / wall seconds of the calls (prefill included), ms/token its
+inverse.
   ours ar             FastDecoder.generate_autoregressive, with and without CUDA graphs; `step_ms` = one decode step
   hf static eager     generate(cache_implementation="static", disable_compile=True)
   hf static compiled  the same with its forward under torch.compile(mode="reduce-overhead") (CUDA graphs; CUDA only)
@@ -170,12 +171,19 @@ def timed(fn, dev: torch.device):
     return out, time.perf_counter() - t
 
 
+WARM_TOKENS = 8          # new tokens of the short warm-up call on each further prompt: its prefill and first steps
+
+
 def run_engine(name: str, call, prompts, n: int, dev, warm_all: bool = False, **keys) -> tuple[dict, list]:
-    """One warm-up call on the first prompt (on every prompt with `warm_all`: one compiled shape per prompt length),
-    then every prompt once. call(prompt, n) -> (tokens, DecodeStats or None)."""
+    """Warm-up calls, then every prompt once. call(prompt, n) -> (tokens, DecodeStats or None).
+
+    Warm-up: the first prompt in full (its time is `first_call_s`), then a short call (WARM_TOKENS) on each further
+    prompt, so that no engine's timed calls pay the one-time costs of a new prompt length (cuBLAS heuristics, kernel
+    specialisations); these are process-wide, so without it the first engine measured would pay them for all.
+    `warm_all`: the further prompts in full too (compiled HF: one compiled shape per prompt length)."""
     _, first = timed(lambda: call(prompts[0], n), dev)
-    for p in prompts[1:] if warm_all else []:
-        call(p, n)
+    for p in prompts[1:]:
+        call(p, n if warm_all else min(n, WARM_TOKENS))
     outs, secs = [], 0.0
     for p in prompts:
         out, s = timed(lambda: call(p, n), dev)

@@ -140,3 +140,22 @@ def test_run_engine_warms_up_every_prompt(warm_all):
     short = 32 if warm_all else runtime_bench.WARM_TOKENS
     assert calls == [("a", 32), ("bb", short), ("ccc", short), ("a", 32), ("bb", 32), ("ccc", 32)]
     assert row["prompts"] == 3 and row["new_tokens"] == 96 and outs == [[0] * 32] * 3
+
+
+def test_trace_attributes_stages(tmp_path):
+    """--trace: every engine of ours gets per-stage profiler figures (on the CPU: calls and wall ms; kernels need
+    CUDA); the Weaver's stages are the decoder's four, each called once per verify step."""
+    out = tmp_path / "runtime.json"
+    assert runtime_bench.main(["--smoke", "--trace", "--budgets", "4", "--check-prompts", "0", "--out",
+                               str(out)]) == 0
+    res = json.loads(out.read_text())
+    ar = next(r for r in res["rows"] if r["engine"] == "ours ar")
+    assert set(ar["trace"]) == {"decode"} and ar["trace"]["decode"]["calls"] == res["setup"]["new_tokens"] - 1
+    for r in res["rows"]:
+        if r["engine"] in ("ours chain", "ours ddtree", "ours weaver"):
+            t = r["trace"]
+            assert set(t) >= {"prefill", "draft", "tree", "verify", "commit"}, t
+            steps = r["verify_steps"] // r["prompts"]             # the traced call decodes the first prompt
+            assert all(t[k]["calls"] == steps for k in ("draft", "tree", "verify", "commit"))
+            assert t["prefill"]["calls"] == 1
+            assert all(v["wall_ms"] > 0 for v in t.values()) and "ops" not in t["tree"]

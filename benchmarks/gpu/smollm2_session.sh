@@ -11,7 +11,8 @@
 #   STEP=1 carry .whl .gguf1   GPU tests of the fast backend and kernels (RANDOM_BENCH=1, with assets/ in place:
 #                              also runtime_bench on random weights)
 #   STEP=2 carry .gguf2 .carry join and prepare the target (ROLLOUT=1: rollout_bench with its correctness check)
-#   STEP=3                     runtime_bench on the real target (MT-Bench prompts) and the Qwen3.6-27B shape bench
+#   STEP=3                     runtime_bench on the real target (MT-Bench prompts, with a profiler trace per engine)
+#                              and the Qwen3.6-27B shape bench (results named by the GPU when committed)
 #                              STEP=4 carry .carry: the acceptance bench (ACC_S seconds); STEP=5: weaver_width
 #                              over expand 8 / 16 / 32 at T = 0 and 1
 set -u
@@ -35,7 +36,7 @@ acc() {   # the acceptance benchmark in the time left, resumed from /root/work/a
   timeout "$t" python3 -m benchmarks.runtime.acceptance --world smollm2 --target /root/work/target \
     --adapter assets/smollm2-135m-instruct/weaver --dtype float32 --prompts-dir /root/work/prompts \
     --out /root/work/acceptance.json --resume --plot /root/work/acceptance.png --no-progress \
-    --check-prompts 1 --t1-prompts 16 --group "${ACC_GROUP:-64}" >>/root/work/acceptance.stdout 2>&1
+    --check-prompts 1 --t1-prompts 16 --group "${ACC_GROUP:-24}" >>/root/work/acceptance.stdout 2>&1
   echo "acceptance: exit $?"; tail -5 /root/work/acceptance.stdout | cut -c1-300
   cp /root/work/acceptance.json /root/work/acceptance.png "$OUT/" 2>/dev/null
   python3 -c "import json;d=json.load(open('/root/work/acceptance.json'));print('finished',d['finished'],'partial',d['t1_partial'])"
@@ -64,10 +65,10 @@ case ${STEP:-1} in
 3)  timeout "$(left 260)" python3 -m benchmarks.runtime.runtime_bench --target /root/work/target \
       --adapter assets/smollm2-135m-instruct/weaver --prompt-file /root/work/prompts/mtbench.jsonl --prompts 8 \
       --new-tokens 128 --budgets 16 32 64 --graphs on --weaver-steps 16 8 4 --build-reps 10 --check-prompts 1 \
-      --out "$OUT/runtime_h200.json" >"$OUT/bench.log" 2>&1
+      --trace --out "$OUT/runtime.json" >"$OUT/bench.log" 2>&1
     echo "bench: exit $? ($(( $(date +%s) - T0 )) s)"; sed -n '/^engine /,$p' "$OUT/bench.log" | cut -c1-250
     tail -5 "$OUT/bench.log" | grep -iE "error|Traceback" && tail -20 "$OUT/bench.log"
-    timeout "$(left 480)" python3 -m benchmarks.runtime.shape27b_bench --out "$OUT/runtime_27b_h200.json" \
+    timeout "$(left 480)" python3 -m benchmarks.runtime.shape27b_bench --out "$OUT/runtime_27b.json" \
       >"$OUT/shape27b.log" 2>&1
     echo "27b shape: exit $? ($(( $(date +%s) - T0 )) s)"; tail -25 "$OUT/shape27b.log" | cut -c1-250 ;;
 5)  for t in 0 1; do                                  # children per node at both temperatures (T = 1, 12 MT-Bench

@@ -24,6 +24,8 @@ inverse.
                       graphs; `step_ms` = one draft-tree-verify-commit step (one host sync per step), `stage_ms`
                       per step from a second pass with `profile=True` (a sync after each stage; their sum is
                       `profiled_step_ms`)
+`--trace`: each of our engines once more on the first prompt under torch.profiler (`trace` in its row: per stage,
+wall ms, device operations and device ms per step, the costliest kernels; see `trace`).
 Also: the tree builds alone at budget 64 (`tree_build`: the static Weaver and DDTree builders eager and captured,
 the reference builders, and the Weaver builder at ceil(budget / width) rounds, `few_rounds`), the issue's ratios
 with their goals (`ratios`), and a greedy cross-check (`crosscheck`): FastDecoder's tokens, acceptance lengths and
@@ -208,6 +210,58 @@ def run_engine(name: str, call, prompts, n: int, dev, warm_all: bool = False, **
             row["step_ms"] = round(1e3 * seconds["decode"] / max(1, tokens - len(stats)), 4)
         row["prefill_ms"] = round(1e3 * seconds["prefill"] / len(stats), 4)
     return row, [t for t, _ in outs]
+
+
+def trace(fn, dev: torch.device, top: int = 5, calls: dict | None = None) -> dict:
+    """Run fn() under torch.profiler and sum its profiler ranges "tfm.<stage>" (FastDecoder with `profile`; the
+    caller's own "tfm.decode" for AR): per stage, the calls, wall ms per call and, on CUDA, the device operations
+    (kernels, also those replayed from CUDA graphs, memcpys and memsets) that start inside it: count and device ms
+    per call, and the `top` costliest by total time (`calls`: a stage's count of calls to divide by instead of its
+    ranges, e.g. the decode steps inside AR's one range). Device busy ms far below wall ms: the stage waits for the host
+    (launches, Python); many operations of a few microseconds each: launch bound."""
+    from bisect import bisect_right
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    try:
+        with profile(activities=acts) as prof:
+            fn()
+            sync(dev)
+        events = prof.events()
+    except Exception as e:  # noqa: BLE001 - the timings stand without it; the error is the result
+        print("trace failed:", e)
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    ranges = sorted((e.time_range.start, e.time_range.end, e.name[4:]) for e in events
+                    if e.name.startswith("tfm.") and e.device_type == DeviceType.CPU)
+    starts = [r[0] for r in ranges]
+    stages: dict[str, dict] = {}
+    for a, b, name in ranges:
+        st = stages.setdefault(name, {"calls": 0, "wall_us": 0.0, "ops": 0, "device_us": 0.0, "by_name": {}})
+        st["calls"] += 1
+        st["wall_us"] += b - a
+    for e in events:
+        if e.device_type != DeviceType.CUDA or e.name.startswith("tfm."):
+            continue
+        i = bisect_right(starts, e.time_range.start) - 1
+        if i < 0 or e.time_range.start > ranges[i][1]:
+            continue                                                  # outside every stage
+        st = stages[ranges[i][2]]
+        dur = e.time_range.end - e.time_range.start
+        st["ops"] += 1
+        st["device_us"] += dur
+        n, us = st["by_name"].get(e.name, (0, 0.0))
+        st["by_name"][e.name] = (n + 1, us + dur)
+    out = {}
+    for name, st in stages.items():
+        c = (calls or {}).get(name, st["calls"])
+        row = {"calls": c, "wall_ms": round(st["wall_us"] / c / 1e3, 4)}
+        if dev.type == "cuda":
+            costly = sorted(st["by_name"].items(), key=lambda kv: -kv[1][1])[:top]
+            row.update(ops=round(st["ops"] / c, 1), device_ms=round(st["device_us"] / c / 1e3, 4),
+                       top=[[k[:80], round(n / c, 2), round(us / c / 1e3, 4)] for k, (n, us) in costly])
+        out[name] = row
+    return out
 
 
 def hf_call(model, n_max: int, compiled: bool):
@@ -399,6 +453,13 @@ def table(result: dict) -> str:
                      f"{r['tokens_per_s']:>10.1f}{r['ms_per_token']:>9.3f}"
                      f"{(r['step_ms'] if 'step_ms' in r else float('nan')):>9.3f}"
                      f"{r.get('acceptance_length', 1.0):>8.2f}  {stages}")
+    for r in result["rows"]:
+        if "trace" in r and "error" not in r["trace"]:
+            budget = str(r.get("budget") or "") + (f"/w{r['width']}" if "width" in r else "")
+            stages = " | ".join(f"{k} {v['wall_ms']:.3f} ms" + (f" ({v['ops']:.0f} ops, device {v['device_ms']:.3f})"
+                                                              if "ops" in v else "") for k, v in r["trace"].items()
+                                if k != "prefill")
+            lines.append(f"trace {r['engine']} {budget}: {stages}")
     b = result["tree_build"]
     if "error" in b:
         lines.append(f"tree build timing: error {b['error']}")
@@ -450,6 +511,9 @@ def main(argv=None) -> int:
                     help="Weaver rows at width ceil(budget / steps) for each value (16: the reference's width)")
     ap.add_argument("--check-prompts", type=int, default=2, help="greedy cross-check prompts (0: none)")
     ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--trace", action="store_true",
+                    help="also run each of our engines once on the first prompt under torch.profiler: per stage, "
+                    "wall ms, device operations and device ms per step, the costliest kernels (`trace` in each row)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bf16 on CUDA, fp32 on the CPU")
     ap.add_argument("--smoke", action="store_true",
@@ -506,7 +570,13 @@ def main(argv=None) -> int:
         for graphs in graph_modes:
             dec = FastDecoder(target, drafter, max_seq_len=seq, cuda_graphs=graphs)
             call = lambda p, k, d=dec: (lambda o: (o.tokens, o.stats))(d.generate_autoregressive(p, k))  # noqa: E731
-            add(run_engine("ours ar", call, prompts, n, dev, cuda_graphs=graphs)[0])
+            row = run_engine("ours ar", call, prompts, n, dev, cuda_graphs=graphs)[0]
+            if args.trace:
+                def traced(d=dec):
+                    with torch.profiler.record_function("tfm.decode"):
+                        d.generate_autoregressive(prompts[0], n)
+                row["trace"] = trace(traced, dev, calls={"decode": max(1, n - 1)})    # per decode step
+            add(row)
             del dec
         model = target.model
         eos = model.generation_config.eos_token_id
@@ -537,6 +607,8 @@ def main(argv=None) -> int:
                     row["stage_ms"] = {k: round(1e3 * sum(s.seconds[k] for s in staged) / steps, 4)
                                        for k in ("draft", "tree", "verify", "commit")}
                     row["profiled_step_ms"] = round(sum(row["stage_ms"].values()), 4)
+                    if args.trace:
+                        row["trace"] = trace(lambda d=dec: d.generate(prompts[0], n), dev)
                     add(row)
                     del dec
         try:

@@ -58,14 +58,34 @@ class FastDecoder:
     _tree = SpeculativeDecoder._tree
     _verify = SpeculativeDecoder._verify
 
+    # the stage that follows each stage of `generate` (profiled runs mark each stage as a profiler range; a draft
+    # starts each round, at the loop's top)
+    NEXT_STAGE = {"start": "prefill", "prefill": None, "draft": "tree", "tree": "verify", "verify": "commit",
+                  "commit": None}
+
     def _tick(self, stats: DecodeStats, stage: str, t0: float) -> float:
         """Add the time since t0 to `stage` (synchronised: profiled stages, the prefill and the AR loop), else to
-        `step`."""
+        `step`. With `profile`, each stage of `generate` also runs inside a `torch.profiler.record_function` range
+        "tfm.<stage>", so that a torch.profiler trace attributes every kernel to its stage
+        (`benchmarks.runtime.runtime_bench --trace`)."""
+        if self.profile and stage in self.NEXT_STAGE:
+            t1 = SpeculativeDecoder._tick(self, stats, stage, t0) if stage != "start" else t0
+            self._stage_range(self.NEXT_STAGE[stage])
+            return t1
         if self.profile or stage in ("prefill", "decode"):
             return SpeculativeDecoder._tick(self, stats, stage, t0)
         t1 = time.perf_counter()
         stats.seconds["step"] += t1 - t0
         return t1
+
+    def _stage_range(self, stage: str | None) -> None:
+        """Close the open profiler range of `generate` (if any) and open "tfm.<stage>" (none for None)."""
+        if self._open_range is not None:
+            self._open_range.__exit__(None, None, None)
+            self._open_range = None
+        if stage is not None:
+            self._open_range = torch.profiler.record_function(f"tfm.{stage}")
+            self._open_range.__enter__()
 
     def __init__(self, target, drafter: DFlashDrafter, adapter: Weaver | None = None, *, tree_budget: int = 64,
                  proposal: str | None = None, verification: str = "auto", expand: int = 8,
@@ -79,6 +99,7 @@ class FastDecoder:
         self.target, self.drafter, self.adapter = target, drafter, adapter
         self.tree_budget, self.proposal, self.verification = tree_budget, proposal, verification
         self.expand, self.width, self.profile = expand, width, profile
+        self._open_range = None                       # the profiler range of the running stage (`profile`)
         if target.is_hybrid:
             from tfm_runtime.fast.hybrid import HybridModel
             self.model = HybridModel.from_hf(target.model, target.tap_layer_ids, max_seq_len=max_seq_len,
@@ -128,7 +149,7 @@ class FastDecoder:
         rule = self._rule(temperature)
         stats = DecodeStats(prompt_tokens=prompt.numel())
         model, runner, dev = self.model, self.runner, self.model.device
-        t = time.perf_counter()
+        t = self._tick(stats, "start", time.perf_counter())
         out = model.prefill(prompt)
         self.dflash.prefill(out.taps)
         first = filter_probs(out.logits.double(), temperature, top_k, top_p)[0]
@@ -139,6 +160,8 @@ class FastDecoder:
         static = self.weaver_builder or self.ddtree_builder or (self.chain_builder if rule != "chain_sampling"
                                                                 else None)
         while len(new) < max_new_tokens and bonus != eos_token_id:
+            if self.profile:
+                self._stage_range("draft")
             draft_logits, draft_hidden = self.dflash.draft(torch.tensor([bonus], device=dev))   # [L, V], [L, H]
             t = self._tick(stats, "draft", t)
             if static is None:

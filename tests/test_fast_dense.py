@@ -354,6 +354,8 @@ def test_cuda_graphs_equal_eager_on_cuda(proposal):
     kw = dict(tree_budget=16, proposal=proposal, max_seq_len=96)
     graphed = FastDecoder(w.target, w.drafter, adapter, cuda_graphs=True, **kw)
     assert graphed.runner.enabled and sorted(graphed.runner.graphs) == [1, graphed.max_nodes]
+    paths = range(1, min(w.drafter.lookahead + 1, graphed.max_nodes) + 1)      # a commit graph per path length
+    assert sorted(graphed.commit_graphs) == list(paths)
     eager = FastDecoder(w.target, w.drafter, adapter, **kw)
     a, b = graphed.generate(SMALL_PROMPT, 24), eager.generate(SMALL_PROMPT, 24)
     assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths

@@ -6,7 +6,9 @@
            DenseModel.verify_tree: one pass writing the nodes' K/V after the committed prefix
            lossless verification (the reference rules) -> accepted path + bonus    (the one host sync; at T = 0
            only the nodes' argmax ids travel)
-           DenseModel.commit: the accepted nodes' K/V move into place; DFlash extends its context with their taps
+           commit (`_commit_ops`; with CUDA graphs one replay per round): the accepted nodes' K/V move into place
+           (hybrid: the GDN states after the leaf), DFlash extends its context with their taps, the next round's
+           bonus, committed length and h_last stay on the device (the path and bonus: one host-to-device copy)
 
 Drafting, sampled chains, verification rules, sampling order and statistics are the reference decoder's own
 (tfm_runtime.engine); greedy chains, DDTrees and Weaver trees come from StaticChainBuilder, StaticDDTreeBuilder and
@@ -40,10 +42,10 @@ class FastDecoder:
     `max_seq_len` slots (default: the model's max_position_embeddings, at most 4096); a request needs prompt +
     max_new_tokens + tree_budget slots. `gdn_backend`: the hybrid model's GDN backend (see HybridModel).
     `attention`: see DenseModel.
-    `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size), decode, the GDN state
-    commit of hybrid targets, the DFlash draft and its context extension from CUDA graphs captured here
-    (tfm_runtime.fast.graphs, StaticDFlash), and the tree build from a graph captured at its first build; ignored
-    on the CPU.
+    `cuda_graphs`: on CUDA, replay tree verify (every tree padded to the largest tree size), decode, the DFlash
+    draft and the whole commit stage (one graph per accepted path length) from CUDA graphs captured here
+    (tfm_runtime.fast.graphs, StaticDFlash, `_capture_commits`), and the tree build from a graph captured at its
+    first build; ignored on the CPU.
     Greedy chains and DDTrees: one StaticChainBuilder / StaticDDTreeBuilder built here. Weaver trees: one
     StaticWeaverTreeBuilder (batch 1) built here, `weaver_rounds` its round count (default: the worst case, so every
     tree is the reference's, in two phases of which the second runs only for trees that need it; fewer rounds may
@@ -125,6 +127,18 @@ class FastDecoder:
         self.pad_trees = isinstance(self.runner, GraphedTarget) and self.runner.enabled
         self.capture_trees = cuda_graphs and self.model.device.type == "cuda"
         self._anc_graphs: dict[int, tuple] = {}          # parents buffer -> (graph, ancestor mask) (`_nodes`)
+        # the round's device-side state: the accepted path and the bonus (one host-to-device copy per round),
+        # the committed length, the last accepted node's hidden state
+        L1, dev = drafter.lookahead + 1, self.model.device
+        self.step_host = torch.zeros(L1 + 1, dtype=torch.long)                  # [path node ids ..., bonus]
+        if dev.type == "cuda":
+            self.step_host = self.step_host.pin_memory()
+        self.step_dev = torch.zeros(L1 + 1, dtype=torch.long, device=dev)       # [L + 2]
+        self.start_dev = torch.zeros(1, dtype=torch.long, device=dev)           # [1]
+        self.h_last = torch.zeros(self.model.embed.shape[-1], dtype=self.model.dtype, device=dev)  # [H]
+        self.commit_graphs: dict[int, torch.cuda.CUDAGraph] = {}     # accepted length -> the commit stage's graph
+        if self.pad_trees and self.dflash.graphs:
+            self._capture_commits()
 
     def _prompt(self, prompt_ids, max_new_tokens: int, tree_nodes: int) -> torch.Tensor:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.model.device)
@@ -155,6 +169,9 @@ class FastDecoder:
         first = filter_probs(out.logits.double(), temperature, top_k, top_p)[0]
         bonus = int(first.argmax()) if temperature == 0 else int(torch.multinomial(first.cpu(), 1, generator=generator))
         h_last, start, new = out.hidden[-1], prompt.numel(), [bonus]
+        self.start_dev.fill_(start)
+        root = torch.tensor([bonus], device=dev)         # [1] the round's bonus on the device (then step_dev[-1:])
+        self.dflash.block[:1].copy_(root)                # the first draft's (then each commit writes it)
         t = self._tick(stats, "prefill", t)
         # chains sampled from DFlash (chain_sampling) come from the reference builder, with its random draws
         static = self.weaver_builder or self.ddtree_builder or (self.chain_builder if rule != "chain_sampling"
@@ -162,23 +179,23 @@ class FastDecoder:
         while len(new) < max_new_tokens and bonus != eos_token_id:
             if self.profile:
                 self._stage_range("draft")
-            draft_logits, draft_hidden = self.dflash.draft(torch.tensor([bonus], device=dev))   # [L, V], [L, H]
+            draft_logits, draft_hidden = self.dflash.draft(None)                   # [L, V], [L, H] after `root`
             t = self._tick(stats, "draft", t)
             if static is None:
                 tree, draft_probs = self._tree(bonus, draft_logits, draft_hidden, h_last, temperature, generator)
                 nodes = (tree.tokens.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev))
             else:
                 tree, draft_probs = None, None
-                trees, nodes = self._static_tree(static, bonus, draft_logits, draft_hidden, h_last)
+                trees, nodes = self._static_tree(static, root, draft_logits, draft_hidden, h_last)
             t = self._tick(stats, "tree", t)
-            out = runner.verify_tree(*nodes, start)
+            out = runner.verify_tree(*nodes, self.start_dev)
             best = None
             if tree is None:                                  # the tree on the host, for the verify rules
                 greedy = rule == "greedy"                     # the argmax travels with the tree
                 tree, best, truncated = self._host_tree(trees, out.logits if greedy else None)
                 if truncated and self._deferred(static):      # rare: the Weaver tree needs its second phase
                     trees = static.finish()
-                    out = runner.verify_tree(*self._nodes(trees), start)
+                    out = runner.verify_tree(*self._nodes(trees), self.start_dev)
                     tree, best, _ = self._host_tree(trees, out.logits if greedy else None)
             t = self._tick(stats, "verify", t)
             if rule == "greedy":
@@ -188,22 +205,75 @@ class FastDecoder:
             else:
                 accepted, bonus = self._verify(rule, tree, out.logits[:tree.num_nodes].cpu(), draft_probs,
                                                temperature, top_k, top_p, generator)
-            idx = torch.as_tensor(accepted, device=dev)
-            runner.commit(start, idx)
-            self.dflash.extend(out.taps[idx])
-            h_last, start = out.hidden[accepted[-1]].clone(), start + len(accepted)   # out may be a graph's
+            A = len(accepted)
+            self.step_host[:A] = torch.as_tensor(accepted)
+            self.step_host[-1] = int(bonus)
+            self.step_dev.copy_(self.step_host, non_blocking=True)   # pinned on CUDA; rewritten after the next sync
+            if self.commit_graphs:
+                if out.hidden.data_ptr() != self._commit_out.hidden.data_ptr():
+                    raise RuntimeError("internal: the tree was not verified in the graph of the padded size")
+                self.commit_graphs[A].replay()
+            else:
+                self._commit_ops(out, A)
+            if isinstance(runner, GraphedTarget):
+                runner.committed()
+            h_last, root, start = self.h_last, self.step_dev[-1:], start + A
             new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]
             stats.accept_lengths.append(len(accepted))
             stats.tree_sizes.append(tree.num_nodes)
             t = self._tick(stats, "commit", t)
         return finish(new, stats, max_new_tokens, eos_token_id)
 
-    def _static_tree(self, b, bonus: int, draft_logits, draft_hidden, h_last):
-        """b: the static chain, DDTree or Weaver builder; draft_logits [L, V], draft_hidden [L, H], h_last [H] ->
+    def _capture_commits(self) -> None:
+        """CUDA graphs of the commit stage (`_commit_ops`), one per accepted path length A = 1 .. min(L + 1,
+        max_nodes), reading the outputs of the verify graph at max_nodes (every tree goes in padded to it): one
+        replay where the eager stage takes about fifteen launches. Captured before any request: the warm-up runs
+        write slots at the end of the target's cache, DFlash context slots and GDN states, all of which the next
+        prefill resets."""
+        m, d, N = self.model, self.dflash, self.max_nodes
+        out = self.runner.graphs[N][2]                   # the verify graph's static outputs (logits, hidden, taps)
+        self._commit_out = out
+        length = d.length.clone()
+        for A in range(1, min(self.drafter.lookahead + 1, N) + 1):
+            self.step_dev[:A].copy_(torch.arange(A, device=m.device))
+
+            def warm(A=A):
+                self.start_dev.fill_(m.max_seq_len - N)
+                d.length.zero_()
+                self._commit_ops(out, A)
+            warm_up(warm)
+            self.start_dev.fill_(m.max_seq_len - N)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._commit_ops(out, A)
+            self.commit_graphs[A] = graph
+        d.length.copy_(length)
+        self.runner.committed()
+
+    def _commit_ops(self, out, A: int) -> None:
+        """The commit stage of a path of A nodes, as device ops with no host values but A: the target keeps the path
+        `step_dev[:A]` of the tree verified after `start_dev` committed tokens (its K/V; hybrid: the GDN states
+        after its leaf), DFlash extends its context by the path's taps, the leaf's hidden state becomes `h_last`,
+        `start_dev` grows by A and the bonus `step_dev[-1]` goes into DFlash's block for the next draft.
+        out: the verify's DenseOutput (hidden [n, H], taps [n, F])."""
+        acc, d = self.step_dev[:A], self.dflash                                         # [A] the path's node ids
+        if isinstance(self.runner, GraphedTarget):
+            self.runner.commit_ops(self.max_nodes, self.start_dev, acc)
+        else:
+            self.model.commit(self.start_dev, acc)
+        d.taps_in[:A].copy_(out.taps.index_select(0, acc))                              # [A, F]
+        d.count.fill_(A)
+        d._extend()
+        self.h_last.copy_(out.hidden.index_select(0, acc[A - 1:])[0])                   # [H] the leaf's
+        self.start_dev.add_(A)
+        d.block[:1].copy_(self.step_dev[-1:])                                           # the next round's bonus
+
+    def _static_tree(self, b, root: torch.Tensor, draft_logits, draft_hidden, h_last):
+        """b: the static chain, DDTree or Weaver builder; root [1] long (the bonus token on the device);
+        draft_logits [L, V], draft_hidden [L, H], h_last [H] ->
         (WeaverTrees of one row [1, N+1], the tree's (tokens [n], depths [n], ancestor mask [n, n]) on the device).
         n = N + 1 (padding nodes see only themselves) when the verify pads trees anyway, else the tree's node count
         (read on the host)."""
-        root = torch.tensor([bonus], device=self.model.device)                             # [1]
         if b is self.weaver_builder:
             cand_logits, cand_ids = draft_logits.topk(b.K, dim=-1)                         # [L, K]
             inputs = (root, h_last[None], draft_hidden[None], cand_ids[None], cand_logits[None])

@@ -81,9 +81,11 @@ class StaticDFlash:
             self._extend()
 
     @torch.no_grad()
-    def draft(self, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """bonus [1] long -> (logits [L, V], hidden [L, H]) for block positions 1..L."""
-        self.block[:1].copy_(bonus)
+    def draft(self, bonus: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """bonus [1] long (None: already in `block[0]`, written by the caller's graph) -> (logits [L, V],
+        hidden [L, H]) for block positions 1..L."""
+        if bonus is not None:
+            self.block[:1].copy_(bonus)
         if "draft" in self.graphs:
             graph, out = self.graphs["draft"]
             graph.replay()

@@ -8,7 +8,8 @@ next call. Without CUDA, or for a tree larger than every captured size, the call
 
 Hybrid (GDN) targets: the verify graph of size N also leaves its GDN stash (what the commit reads) in static tensors,
 and a second graph per size writes the GDN states after a leaf held in a static buffer into the pools; the K/V
-compaction of the commit (a gather and a scatter of the accepted path's length) runs eagerly.
+compaction of the commit (a gather and a scatter of the accepted path's length) runs eagerly. `commit_ops` gives
+both halves as ops for a caller's own graph (FastDecoder captures the whole commit stage per accepted length).
 """
 from __future__ import annotations
 
@@ -113,6 +114,23 @@ class GraphedTarget:
         leaf.copy_(accepted[-1:])
         graph.replay()
         self.model._stash, self.last = None, None
+
+    def commit_ops(self, N: int, start: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The commit after a verify of size N as ops that a caller may capture in a CUDA graph of its own
+        (FastDecoder's commit graphs): the K/V compaction and, for hybrid targets, the GDN states after the leaf
+        accepted[-1] from size N's stash (after an eager verify: the model's own commit). start [1], accepted [A]
+        long on the device. After replaying such a graph, call `committed`."""
+        if N not in self.graphs:
+            return self.model.commit(start, accepted)
+        DenseModel.commit(self.model, start, accepted)
+        if self.hybrid:
+            self.model._stash = self.stashes[N]
+            self.model.commit_states(accepted[-1:])
+
+    def committed(self) -> None:
+        """The bookkeeping of a commit that a caller's graph of `commit_ops` did: the verify's stash is spent."""
+        if self.hybrid:
+            self.model._stash, self.last = None, None
 
     def decode(self, token: torch.Tensor, pos) -> torch.Tensor:
         """As model.decode: token [1] at position `pos` -> logits [1, V] (hybrid: its GDN states committed)."""

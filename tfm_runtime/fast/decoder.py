@@ -127,6 +127,7 @@ class FastDecoder:
         self.pad_trees = isinstance(self.runner, GraphedTarget) and self.runner.enabled
         self.capture_trees = cuda_graphs and self.model.device.type == "cuda"
         self._anc_graphs: dict[int, tuple] = {}          # parents buffer -> (graph, ancestor mask) (`_nodes`)
+        self._pack_graphs: dict[tuple, tuple] = {}       # (tree, logits buffers) -> (graph, packed) (`_read_tree`)
         # the round's device-side state: the accepted path and the bonus (one host-to-device copy per round),
         # the committed length, the last accepted node's hidden state
         L1, dev = drafter.lookahead + 1, self.model.device
@@ -192,11 +193,11 @@ class FastDecoder:
             best = None
             if tree is None:                                  # the tree on the host, for the verify rules
                 greedy = rule == "greedy"                     # the argmax travels with the tree
-                tree, best, truncated = self._host_tree(trees, out.logits if greedy else None)
+                tree, best, truncated = self._read_tree(trees, out.logits if greedy else None)
                 if truncated and self._deferred(static):      # rare: the Weaver tree needs its second phase
                     trees = static.finish()
                     out = runner.verify_tree(*self._nodes(trees), self.start_dev)
-                    tree, best, _ = self._host_tree(trees, out.logits if greedy else None)
+                    tree, best, _ = self._read_tree(trees, out.logits if greedy else None)
             t = self._tick(stats, "verify", t)
             if rule == "greedy":
                 if best is None:
@@ -308,21 +309,49 @@ class FastDecoder:
         return trees.tokens[0, :n], trees.depths[0, :n], anc
 
     @staticmethod
-    def _host_tree(trees, logits: torch.Tensor | None) -> tuple[Tree, torch.Tensor | None, bool]:
-        """Row 0 of `trees` as a host Tree, given the verify's logits [n, V] (n <= N+1 rows, node order) the
-        target's argmax per node [num_nodes], and whether the tree is `truncated`: one device-to-host copy (log q
-        travels as its float64 bits)."""
+    def _pack(trees, logits: torch.Tensor | None) -> torch.Tensor:
+        """Row 0 of `trees` and, given the verify's logits [n, V] (n <= N+1 rows, node order), the target's argmax
+        per node, as one long tensor [5 or 6, N+1] on the device: tokens, parents, depths, log q (its float64 bits),
+        (num_nodes, truncated), argmax."""
         count = torch.stack([trees.num_nodes[0], trees.truncated[0].long()])           # [2]
         rows = [trees.tokens[0], trees.parents[0], trees.depths[0], trees.draft_logprobs[0].view(torch.long),
                 torch.nn.functional.pad(count, (0, trees.tokens.shape[1] - 2))]         # 5 x [N+1]
         if logits is not None:
             best = logits.argmax(-1)                                                   # [n]
             rows.append(torch.nn.functional.pad(best, (0, rows[0].numel() - best.numel())))
-        host = torch.stack(rows).cpu()                                                 # [5 or 6, N+1]
+        return torch.stack(rows)                                                       # [5 or 6, N+1]
+
+    @staticmethod
+    def _unpack(host: torch.Tensor) -> tuple[Tree, torch.Tensor | None, bool]:
+        """`_pack`'s tensor, on the host -> (Tree, argmax [num_nodes] or None, truncated)."""
         n, truncated = host[4, :2].tolist()
         tree = Tree(tokens=host[0, :n], parents=host[1, :n], depths=host[2, :n],
                     draft_logprobs=host[3, :n].view(torch.float64))
-        return tree, (host[5, :n] if logits is not None else None), bool(truncated)
+        return tree, (host[5, :n] if host.shape[0] > 5 else None), bool(truncated)
+
+    @staticmethod
+    def _host_tree(trees, logits: torch.Tensor | None) -> tuple[Tree, torch.Tensor | None, bool]:
+        """Row 0 of `trees` as a host Tree, the target's argmax per node [num_nodes] given the verify's logits
+        (else None), and whether the tree is `truncated`: one device-to-host copy."""
+        return FastDecoder._unpack(FastDecoder._pack(trees, logits).cpu())
+
+    def _read_tree(self, trees, logits: torch.Tensor | None) -> tuple[Tree, torch.Tensor | None, bool]:
+        """`_host_tree`; with padded trees from captured builders and the verify graph's logits (fixed buffers),
+        the packing replays a CUDA graph of its own (about seven eager launches before)."""
+        fixed = self.pad_trees and self.capture_trees and (
+            logits is None or logits.data_ptr() == self.runner.graphs[self.max_nodes][2].logits.data_ptr())
+        if not fixed:
+            return self._host_tree(trees, logits)
+        key = (trees.tokens.data_ptr(), 0 if logits is None else logits.data_ptr())
+        if key not in self._pack_graphs:              # a builder's output buffers and a verify graph's logits
+            warm_up(lambda: self._pack(trees, logits), runs=1)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                packed = self._pack(trees, logits)                                      # [5 or 6, N+1]
+            self._pack_graphs[key] = (graph, packed)
+        graph, packed = self._pack_graphs[key]
+        graph.replay()
+        return self._unpack(packed.cpu())
 
     @torch.no_grad()
     def generate_autoregressive(self, prompt_ids, max_new_tokens: int = 256,

@@ -326,3 +326,19 @@ def test_static_state_steps_equal_growing_state():
             assert static.num_nodes == grow.num_nodes
         with pytest.raises(ValueError, match="holds 9 node slots"):
             w.step(static, tok, dep, torch.zeros(3, 4, 9, dtype=torch.bool), E)
+
+
+def test_feed_graph_inputs_copies_or_checks_the_aliased_tensors():
+    """A graph captured on copies gets each input copied in; one captured on the caller's own tensors (alias) takes
+    exactly those (no copy) and refuses others, whose values it would never read."""
+    from tfm_runtime.fast.graphs import feed_graph_inputs
+    a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.long)
+    static = (a.clone(), b.clone())
+    feed_graph_inputs(static, (a + 1, b + 2), aliased=False)
+    assert torch.equal(static[0], a + 1) and torch.equal(static[1], b + 2)
+    feed_graph_inputs((a, b), (a, b), aliased=True)                   # the same tensors: nothing to do
+    feed_graph_inputs((a[None],), (a[None],), aliased=True)           # views of them too
+    with pytest.raises(ValueError, match="alias=True"):
+        feed_graph_inputs((a, b), (a.clone(), b), aliased=True)
+    with pytest.raises(ValueError, match="captured with"):
+        feed_graph_inputs((a, b), (a, b.float()), aliased=False)

@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from tfm_runtime.fast.graphs import feed_graph_inputs
 from tfm_runtime.fast.weaver_tree import WeaverTrees
 
 
@@ -48,6 +49,7 @@ class LogitTreeBuilder:
         self.device = torch.device(device or "cpu")
         self._graph = None
         self._graph_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._aliased = False                             # the graph reads the caller's tensors (`capture(alias=)`)
         self._graph_out: WeaverTrees | None = None
 
     @torch.no_grad()
@@ -57,21 +59,20 @@ class LogitTreeBuilder:
         self._check(root, draft_logits)
         if self._graph is None:
             return self._build(root, draft_logits)
-        for dst, src in zip(self._graph_inputs, (root, draft_logits)):
-            if dst.dtype != src.dtype or dst.device != src.device:
-                raise ValueError(f"captured with {dst.dtype} on {dst.device}, got {src.dtype} on {src.device}")
-            dst.copy_(src)
+        feed_graph_inputs(self._graph_inputs, (root, draft_logits), self._aliased)
         self._graph.replay()
         return self._graph_out
 
     @torch.no_grad()
-    def capture(self, root: torch.Tensor, draft_logits: torch.Tensor, warmup: int = 2) -> None:
+    def capture(self, root: torch.Tensor, draft_logits: torch.Tensor, warmup: int = 2, alias: bool = False) -> None:
         """Capture one build in a CUDA graph (inputs copied into static buffers shaped like these examples); later
-        `build` calls copy their inputs there and replay it. CUDA only."""
+        `build` calls copy their inputs there and replay it. `alias`: the graph reads these tensors themselves (a
+        caller's fixed buffers), and `build` takes exactly them, with no copy. CUDA only."""
         self._check(root, draft_logits)
         if draft_logits.device.type != "cuda":
             raise RuntimeError("CUDA-graph capture needs a CUDA device; on the CPU `build` runs eagerly")
-        self._graph_inputs = (root.clone(), draft_logits.clone())
+        self._graph_inputs = (root, draft_logits) if alias else (root.clone(), draft_logits.clone())
+        self._aliased = alias
         dev = draft_logits.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

@@ -128,6 +128,7 @@ class FastDecoder:
         self.capture_trees = cuda_graphs and self.model.device.type == "cuda"
         self._anc_graphs: dict[int, tuple] = {}          # parents buffer -> (graph, ancestor mask) (`_nodes`)
         self._pack_graphs: dict[tuple, tuple] = {}       # (tree, logits buffers) -> (graph, packed) (`_read_tree`)
+        self._cand: tuple[torch.Tensor, torch.Tensor] | None = None   # DFlash's top-K (values, ids) [L, K]
         # the round's device-side state: the accepted path and the bonus (one host-to-device copy per round),
         # the committed length, the last accepted node's hidden state
         L1, dev = drafter.lookahead + 1, self.model.device
@@ -169,10 +170,13 @@ class FastDecoder:
         self.dflash.prefill(out.taps)
         first = filter_probs(out.logits.double(), temperature, top_k, top_p)[0]
         bonus = int(first.argmax()) if temperature == 0 else int(torch.multinomial(first.cpu(), 1, generator=generator))
-        h_last, start, new = out.hidden[-1], prompt.numel(), [bonus]
+        start, new = prompt.numel(), [bonus]
+        # each round reads its bonus, committed length and h_last from fixed device buffers (then the commit's)
         self.start_dev.fill_(start)
-        root = torch.tensor([bonus], device=dev)         # [1] the round's bonus on the device (then step_dev[-1:])
-        self.dflash.block[:1].copy_(root)                # the first draft's (then each commit writes it)
+        self.step_dev[-1:].fill_(bonus)
+        self.dflash.block[:1].fill_(bonus)
+        self.h_last.copy_(out.hidden[-1])
+        root, h_last = self.step_dev[-1:], self.h_last                                  # [1], [H]
         t = self._tick(stats, "prefill", t)
         # chains sampled from DFlash (chain_sampling) come from the reference builder, with its random draws
         static = self.weaver_builder or self.ddtree_builder or (self.chain_builder if rule != "chain_sampling"
@@ -218,7 +222,7 @@ class FastDecoder:
                 self._commit_ops(out, A)
             if isinstance(runner, GraphedTarget):
                 runner.committed()
-            h_last, root, start = self.h_last, self.step_dev[-1:], start + A
+            start += A
             new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]
             stats.accept_lengths.append(len(accepted))
             stats.tree_sizes.append(tree.num_nodes)
@@ -276,12 +280,16 @@ class FastDecoder:
         n = N + 1 (padding nodes see only themselves) when the verify pads trees anyway, else the tree's node count
         (read on the host)."""
         if b is self.weaver_builder:
-            cand_logits, cand_ids = draft_logits.topk(b.K, dim=-1)                         # [L, K]
-            inputs = (root, h_last[None], draft_hidden[None], cand_ids[None], cand_logits[None])
+            if self._cand is None:                        # the candidates go to fixed buffers, made once
+                self._cand = tuple(draft_logits.topk(b.K, dim=-1))                         # values, ids [L, K]
+            else:
+                torch.topk(draft_logits, b.K, dim=-1, out=self._cand)
+            values, ids = self._cand
+            inputs = (root, h_last[None], draft_hidden[None], ids[None], values[None])
         else:
             inputs = (root, draft_logits)
-        if self.capture_trees and b._graph is None:
-            b.capture(*inputs)
+        if self.capture_trees and b._graph is None:       # the graph reads these fixed buffers: nothing to copy
+            b.capture(*inputs, alias=True)
         trees = b.build(*inputs, finish=not self._deferred(b)) if b is self.weaver_builder else b.build(*inputs)
         return trees, self._nodes(trees)
 

@@ -38,6 +38,19 @@ def warm_up(fn, runs: int = 2) -> None:
     torch.cuda.current_stream().wait_stream(stream)
 
 
+def feed_graph_inputs(static: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], aliased: bool) -> None:
+    """Give a captured graph its inputs: copy each into its static buffer, or, for a graph captured on the caller's
+    own tensors (`aliased`), check that these are those tensors (same storage, shape and strides): nothing to copy."""
+    for dst, src in zip(static, inputs):
+        if dst.dtype != src.dtype or dst.shape != src.shape or dst.device != src.device:
+            raise ValueError(f"captured with {dst.dtype} {tuple(dst.shape)} on {dst.device}, got {src.dtype} "
+                             f"{tuple(src.shape)} on {src.device}")
+        if not aliased:
+            dst.copy_(src)
+        elif src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
+            raise ValueError("this graph was captured on the caller's tensors (alias=True): pass those tensors")
+
+
 class GraphedTarget:
     """`model.verify_tree`, `model.decode` and `model.commit` of a DenseModel or HybridModel, replayed from CUDA graphs
     captured at `tree_sizes` (and size 1 for decode). Capture runs warm-up passes that write K/V into the last slots

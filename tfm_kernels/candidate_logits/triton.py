@@ -26,10 +26,10 @@ def hidden_weight_tile(hidden, p_w, valid, i_m, s_hm, d0, Dm, BLOCK_D: tl.conste
 
 @triton.jit
 def candidate_logits_fwd_kernel(
-    hidden, weight, cand, bias, inv_t, logits, logprobs, lse,
+    hidden, weight, cand, bias, inv_t, rows, logits, logprobs, lse,
     s_hm, s_wv, s_cm, s_bm, Kc, Dm, V, inv_t_scalar,
     HAS_BIAS: tl.constexpr, INV_T_PER_ROW: tl.constexpr, FUSED: tl.constexpr, STORE_LSE: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """logits[m, k-block] of the candidates cand[m, k-block]; with FUSED (one block holds the row) also the
     log-softmax. PREFETCH: the next hidden block's loads are issued before this block's products (two tiles in
@@ -37,11 +37,13 @@ def candidate_logits_fwd_kernel(
 
     hidden [M, Dm]; weight [V, Dm]; cand int [M, Kc]; bias fp32 [M, Kc] if HAS_BIAS; inv_t fp32 [M] if
     INV_T_PER_ROW (else the scalar inv_t_scalar); logits, logprobs fp32 [M, Kc]; lse fp32 [M] if STORE_LSE.
+    HAS_ROWS: cand and bias are tables [R, Kc] and row m reads their row rows[m] (int64 [M]).
     """
     i_m, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_c = tl.load(rows + i_m) if HAS_ROWS else i_m                # the candidate row of query m
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_k = o_k < Kc
-    ids = tl.load(cand + i_m * s_cm + o_k, mask=m_k, other=-1).to(tl.int64)
+    ids = tl.load(cand + i_c * s_cm + o_k, mask=m_k, other=-1).to(tl.int64)
     valid = m_k & (ids >= 0) & (ids < V)
     p_w = weight + tl.where(valid, ids, 0)[:, None] * s_wv  # [BK, 1] row starts
     acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
@@ -62,7 +64,7 @@ def candidate_logits_fwd_kernel(
     else:
         b_l = b_l * inv_t_scalar
     if HAS_BIAS:
-        b_l += tl.load(bias + i_m * s_bm + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_l += tl.load(bias + i_c * s_bm + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_l = tl.where(valid, b_l, float("-inf"))
     tl.store(logits + i_m * Kc + o_k, b_l, mask=m_k)
     if FUSED:
@@ -79,10 +81,12 @@ def candidate_logits_fwd_kernel(
 
 @triton.jit
 def candidate_log_softmax_kernel(
-    logits, cand, logprobs, lse, s_cm, Kc, V, BLOCK_C: tl.constexpr, STORE_LSE: tl.constexpr,
+    logits, cand, rows, logprobs, lse, s_cm, Kc, V, BLOCK_C: tl.constexpr, STORE_LSE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     # One program per row; per-lane online max / sum, reduced across lanes at the end.
     i_m = tl.program_id(0).to(tl.int64)
+    i_c = tl.load(rows + i_m) if HAS_ROWS else i_m
     m_v = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
     s_v = tl.zeros([BLOCK_C], dtype=tl.float32)
     for c0 in range(0, Kc, BLOCK_C):
@@ -100,7 +104,7 @@ def candidate_log_softmax_kernel(
     for c0 in range(0, Kc, BLOCK_C):
         o_c = c0 + tl.arange(0, BLOCK_C)
         m_c = o_c < Kc
-        ids = tl.load(cand + i_m * s_cm + o_c, mask=m_c, other=-1)
+        ids = tl.load(cand + i_c * s_cm + o_c, mask=m_c, other=-1)
         b_l = tl.load(logits + i_m * Kc + o_c, mask=m_c, other=float("-inf"))
         valid = (ids >= 0) & (ids < V)
         tl.store(logprobs + i_m * Kc + o_c, tl.where(valid, b_l - lse_sub, float("-inf")), mask=m_c)
@@ -157,7 +161,8 @@ class CandidateTuning:
                    num_warps=4, num_stages=3, prefetch=False)
 
 
-def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse, tuning: CandidateTuning):
+def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse, tuning: CandidateTuning,
+                         rows=None):
     M, Dm = hidden.shape
     Kc, V, dev = cand.shape[1], weight.shape[0], hidden.device
     logits = torch.empty(M, Kc, dtype=torch.float32, device=dev)
@@ -168,17 +173,18 @@ def candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse
     per_row = isinstance(inv_temperature, torch.Tensor)
     n_kb = triton.cdiv(Kc, tuning.block_k)
     candidate_logits_fwd_kernel[(M, n_kb)](
-        hidden, weight, cand, bias, inv_temperature if per_row else None, logits, logprobs, lse,
+        hidden, weight, cand, bias, inv_temperature if per_row else None, rows, logits, logprobs, lse,
         hidden.stride(0), weight.stride(0), cand.stride(0), bias.stride(0) if bias is not None else 0,
         Kc, Dm, V, 1.0 if per_row or inv_temperature is None else float(inv_temperature),
         HAS_BIAS=bias is not None, INV_T_PER_ROW=per_row, FUSED=n_kb == 1, STORE_LSE=return_lse,
-        BLOCK_K=tuning.block_k, BLOCK_D=tuning.block_d, PREFETCH=tuning.prefetch,
+        HAS_ROWS=rows is not None, BLOCK_K=tuning.block_k, BLOCK_D=tuning.block_d, PREFETCH=tuning.prefetch,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if n_kb > 1:
         candidate_log_softmax_kernel[(M,)](
-            logits, cand, logprobs, lse, cand.stride(0), Kc, V,
-            BLOCK_C=min(1024, triton.next_power_of_2(Kc)), STORE_LSE=return_lse, num_warps=4,
+            logits, cand, rows, logprobs, lse, cand.stride(0), Kc, V,
+            BLOCK_C=min(1024, triton.next_power_of_2(Kc)), STORE_LSE=return_lse, HAS_ROWS=rows is not None,
+            num_warps=4,
         )
     return (logits, logprobs, lse) if return_lse else (logits, logprobs)
 
@@ -191,6 +197,7 @@ def candidate_logits(
     return_lse: bool = False,
     bias: torch.Tensor | None = None,
     tuning: CandidateTuning | None = None,
+    rows: torch.Tensor | None = None,
 ):
     r"""LM-head logits of a few candidate tokens per row, and their log-softmax over those candidates.
 
@@ -210,6 +217,8 @@ def candidate_logits(
         bias: fp32 [M, Kc] or None, added to the scaled logits before the log-softmax (Weaver:
             DFlash logits + the target-head residual).
         tuning: launch parameters. Default: `CandidateTuning.for_shape(M, Kc, Dm, hidden.device)`.
+        rows: int64 [M] or None. Given, `cand` (and `bias`) are tables [R, Kc] and row m of the result uses
+            their row rows[m] (0 <= rows[m] < R, not checked: no host read), without gathering them.
     Returns:
         logits: fp32 [M, Kc] (-inf at pads); logprobs: fp32 [M, Kc] (-inf at pads; an all-pad row
         is all -inf); lse: fp32 [M] (-inf for an all-pad row), only if `return_lse`.
@@ -221,9 +230,11 @@ def candidate_logits(
     if hidden.dim() != 2 or weight.dim() != 2 or cand.dim() != 2:
         raise ValueError(f"hidden, weight, cand must be 2-D, got {hidden.dim()}, {weight.dim()}, {cand.dim()}")
     M, Dm = hidden.shape
-    if weight.shape[1] != Dm or cand.shape[0] != M:
+    if weight.shape[1] != Dm or (cand.shape[0] != M and rows is None):
         raise ValueError(f"expected weight [Vocab, {Dm}] and cand [{M}, Kc], got "
                          f"{tuple(weight.shape)} and {tuple(cand.shape)}")
+    if rows is not None and (tuple(rows.shape) != (M,) or rows.dtype != torch.int64 or rows.device != hidden.device):
+        raise ValueError(f"rows must be int64 [{M}] on {hidden.device}, got {rows.dtype} {tuple(rows.shape)}")
     if cand.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cand must be int32 or int64, got {cand.dtype}")
     if cand.shape[1] == 0:
@@ -243,4 +254,5 @@ def candidate_logits(
     tuning = CandidateTuning.for_shape(M, cand.shape[1], Dm, hidden.device) if tuning is None else tuning
     if not isinstance(tuning, CandidateTuning):
         raise TypeError(f"tuning must be a CandidateTuning, got {type(tuning).__name__}")
-    return candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse, tuning)
+    rows = rows if rows is None or rows.is_contiguous() else rows.contiguous()
+    return candidate_logits_fwd(hidden, weight, cand, inv_temperature, bias, return_lse, tuning, rows)

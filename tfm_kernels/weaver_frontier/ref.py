@@ -47,25 +47,30 @@ def place_ref(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count
     active.copy_(act)
 
 
-def push_ref(front_int, front_flt, values, indices, ids, dep, active, score, s0: int, budget: int) -> None:
-    """Write the children of one Weaver step's W slots into frontier rows budget .. budget+W*E-1, in place, and mark
-    the rows after them invalid (score -inf).
+def push_ref(front_int, front_flt, logq, cand_ids, rows, dep, active, score, s0: int, budget: int,
+             expand: int) -> None:
+    """Write the children of one Weaver step's W slots into frontier rows budget .. budget+W*E-1 (E = expand), in
+    place, and mark the rows after them invalid (score -inf).
 
-    values, indices [B, W, E] (the top-E of each slot's log q over its K candidates: fp32 values, long positions);
-    ids [B, W, K] long: the slots' candidate token ids; dep [B, W] long, active [B, W] bool, score [B, W] f64: the
-    slots' depth, whether they expand, their score. Child j of slot w: parent slot s0 + w, token ids[w, indices[w, j]],
-    depth dep + 1, log q values[w, j] in f64, score score[w] + log q, or -inf where the slot does not expand or the
-    log q is -inf or NaN.
+    logq [B, W, K] (fp32 or f64): each slot's log q over its K candidates; cand_ids [R, K] long: the candidate
+    table, rows [B, W] long: each slot's row of it; dep [B, W] long, active [B, W] bool, score [B, W] f64: the slots'
+    depth, whether they expand, their score. Slot w's children are its E first candidates in a stable descending
+    sort of log q (equal values in candidate order; NaN first, as torch sorts it). Child j of slot w: parent slot
+    s0 + w, token cand_ids[rows[w], c], depth dep + 1, log q in f64, score score[w] + log q, or -inf where the slot
+    does not expand or the log q is -inf or NaN.
     """
-    B, W, E = values.shape
-    N, n = budget, W * E
-    logq = values.to(torch.float64)                                           # [B, W, E]
-    valid = active[..., None] & (logq > -math.inf)                            # [B, W, E] (NaN: invalid)
+    B, W, K = logq.shape
+    N, E = budget, expand
+    order = torch.sort(logq, dim=-1, descending=True, stable=True).indices[..., :E]   # [B, W, E]
+    lq = logq.gather(-1, order).to(torch.float64)                             # [B, W, E]
+    tokens = cand_ids[rows].gather(-1, order)                                 # [B, W, E]
+    valid = active[..., None] & (lq > -math.inf)                              # [B, W, E] (NaN: invalid)
+    n = W * E
     ints = front_int[:, N: N + n].view(B, W, E, 3)                            # [B, W, E, 3]
     ints[..., 0] = (s0 + torch.arange(W, device=dep.device))[:, None]         # parent slot
-    ints[..., 1] = ids.gather(-1, indices)                                    # token
+    ints[..., 1] = tokens                                                     # token
     ints[..., 2] = (dep + 1)[..., None]                                       # depth
     flts = front_flt[:, N: N + n].view(B, W, E, 2)                            # [B, W, E, 2]
-    flts[..., 0] = torch.where(valid, score[..., None] + logq, -math.inf)
-    flts[..., 1] = logq
+    flts[..., 0] = torch.where(valid, score[..., None] + lq, -math.inf)
+    flts[..., 1] = lq
     front_flt[:, N + n:, 0] = -math.inf

@@ -1,14 +1,15 @@
-"""The frontier steps of the shape-static Weaver tree build, each in one launch (Triton): one program per tree. The
-build runs both once per round, in sixteen or more sequential rounds, where launches are most of the time.
+"""The frontier steps of the shape-static Weaver tree build, each in one launch (Triton): one program per tree
+(`push`: per slot). The build runs both once per round, in sixteen or more sequential rounds, where launches are
+most of the time.
 
 `place` does what `ref.place_ref` does in a sort and about twenty-five torch launches: rank the frontier (each
 entry's rank in a stable sort of the scores, descending, counted: the entries that go before it), read the `width`
 best entries, write them to their placement slots, count the placed ones, keep the next `budget` entries at the
 head of the frontier, write the new slots' attention rows (ancestors and itself) and the step's token, depth, score
-and active flags. `push` does what `ref.push_ref` does in about twelve: write the children of a Weaver step's slots
-into the frontier (parent, token, depth, log q, and score = the parent's score + log q in f64, -inf where invalid)
-and mark the rows after them invalid. Both only move and compare values, and add two f64 values as the reference
-does: they equal it exactly.
+and active flags. `push` does what `ref.push_ref` does in a sort and about twelve: pick each slot's top-E candidates
+by log q, write them into the frontier as children (parent, token, depth, log q, and score = the parent's score +
+log q in f64, -inf where invalid) and mark the rows after them invalid. Both only move and compare values, and add
+two f64 values as the reference does: they equal it exactly.
 """
 import torch
 import triton
@@ -103,40 +104,49 @@ def place(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, vi
 
 
 @triton.jit
-def weaver_push_kernel(front_int, front_flt, values, indices, ids, dep, active, score, s0, M, N, W, E, K,
-                       BW: tl.constexpr, BE: tl.constexpr, BF: tl.constexpr):
-    """Tree `program_id(0)`: shapes as `push` (row-major; bool as int8)."""
-    b = tl.program_id(0).to(tl.int64)
-    o_w, o_e, o_f = tl.arange(0, BW), tl.arange(0, BE), tl.arange(0, BF)
-    m_w = o_w < W
-    m = m_w[:, None] & (o_e < E)[None, :]                                                   # [BW, BE]
-    p = (b * W + o_w[:, None]) * E + o_e[None, :]
-    lq = tl.load(values + p, mask=m, other=0.).to(tl.float64)
-    idx = tl.load(indices + p, mask=m, other=0)
-    tk = tl.load(ids + (b * W + o_w[:, None]) * K + idx, mask=m, other=0)
-    dp = tl.load(dep + b * W + o_w, mask=m_w, other=0)
-    act = tl.load(active + b * W + o_w, mask=m_w, other=0) != 0
-    sc = tl.load(score + b * W + o_w, mask=m_w, other=0.)
-    valid = act[:, None] & (lq > float("-inf"))
-    child = tl.where(valid, sc[:, None] + lq, float("-inf"))
-    row = b * M + N + o_w[:, None] * E + o_e[None, :]                                       # [BW, BE]
-    tl.store(front_int + row * 3, (s0 + o_w[:, None] + 0 * o_e[None, :]).to(tl.int64), mask=m)
-    tl.store(front_int + row * 3 + 1, tk, mask=m)
-    tl.store(front_int + row * 3 + 2, (dp + 1)[:, None] + 0 * o_e[None, :], mask=m)
-    tl.store(front_flt + row * 2, child, mask=m)
-    tl.store(front_flt + row * 2 + 1, lq, mask=m)
-    rest = N + W * E + o_f                                                                  # the rows after them
-    tl.store(front_flt + (b * M + rest) * 2, tl.full([BF], float("-inf"), tl.float64), mask=rest < M)
+def weaver_push_kernel(front_int, front_flt, logq, cand_ids, rows, dep, active, score, s0, M, N, W, E, K,
+                       BK: tl.constexpr, BF: tl.constexpr):
+    """Slot `program_id(1)` of tree `program_id(0)`: shapes as `push` (row-major; bool as int8). Its E children are
+    picked one at a time: the largest log q left (NaN as +inf, the place torch's sort gives it), the earliest
+    candidate among equal ones."""
+    b, w = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    v = tl.load(logq + (b * W + w) * K + o_k, mask=m_k, other=0.)                              # [BK]
+    key = tl.where(v != v, float("inf"), v)
+    taken = o_k >= K
+    r = tl.load(rows + b * W + w)
+    dp = tl.load(dep + b * W + w)
+    act = tl.load(active + b * W + w) != 0
+    sc = tl.load(score + b * W + w)
+    for j in range(E):
+        mx = tl.max(tl.where(taken, float("-inf"), key), axis=0)
+        c = tl.min(tl.where((key == mx) & ~taken, o_k, BK), axis=0)                            # the child's
+        lq = tl.sum(tl.where(o_k == c, v, 0.), axis=0).to(tl.float64)
+        tk = tl.load(cand_ids + r * K + c)
+        taken = taken | (o_k == c)
+        row = b * M + N + w * E + j
+        tl.store(front_int + row * 3, s0 + w)
+        tl.store(front_int + row * 3 + 1, tk)
+        tl.store(front_int + row * 3 + 2, dp + 1)
+        tl.store(front_flt + row * 2, tl.where(act & (lq > float("-inf")), sc + lq, float("-inf")))
+        tl.store(front_flt + row * 2 + 1, lq)
+    if w == 0:
+        rest = N + W * E + tl.arange(0, BF)                                                    # the rows after them
+        tl.store(front_flt + (b * M + rest) * 2, tl.full([BF], float("-inf"), tl.float64), mask=rest < M)
 
 
-def push(front_int, front_flt, values, indices, ids, dep, active, score, s0: int, budget: int) -> None:
-    """`ref.push_ref` in one launch (arguments and shapes as there; every tensor contiguous, on one device)."""
-    B, W, E = values.shape
-    M, K = front_int.shape[1], ids.shape[-1]
-    ts = (front_int, front_flt, values, indices, ids, dep, active, score)
-    if not all(t.is_contiguous() and t.device == values.device for t in ts) or budget + W * E > M:
-        raise ValueError(f"push expects contiguous buffers on one device and budget + W * E <= M; got budget "
-                         f"{budget}, W {W}, E {E}, M {M}")
-    weaver_push_kernel[(B,)](front_int, front_flt, values, indices, ids, dep, active.view(torch.int8), score, s0, M,
-                             budget, W, E, K, BW=triton.next_power_of_2(W), BE=triton.next_power_of_2(E),
-                             BF=triton.next_power_of_2(max(M - budget, 1)), num_warps=4)
+def push(front_int, front_flt, logq, cand_ids, rows, dep, active, score, s0: int, budget: int, expand: int) -> None:
+    """`ref.push_ref` in one launch, the top-E choice included (arguments and shapes as there; every tensor
+    contiguous, on one device)."""
+    B, W, K = logq.shape
+    M = front_int.shape[1]
+    ts = (front_int, front_flt, logq, cand_ids, rows, dep, active, score)
+    if (not all(t.is_contiguous() and t.device == logq.device for t in ts) or budget + W * expand > M
+            or not 1 <= expand <= K or cand_ids.shape[-1] != K):
+        raise ValueError(f"push expects contiguous buffers on one device, 1 <= expand <= K, a candidate table "
+                         f"[R, {K}] and budget + W * expand <= M; got budget {budget}, W {W}, expand {expand}, "
+                         f"K {K}, M {M}")
+    weaver_push_kernel[(B, W)](front_int, front_flt, logq, cand_ids, rows, dep, active.view(torch.int8), score, s0,
+                               M, budget, W, expand, K, BK=triton.next_power_of_2(K),
+                               BF=triton.next_power_of_2(max(M - budget, 1)), num_warps=4)

@@ -189,6 +189,7 @@ class StaticWeaverTreeBuilder:
         self.root_depth = torch.zeros(B, 1, **long)                             # [B, 1]
         self.root_active = torch.ones(B, 1, device=dev, dtype=torch.bool)       # [B, 1]
         self.root_score = torch.zeros(B, 1, **f64)                              # [B, 1]
+        self.row_base = torch.arange(B, **long)[:, None] * L                    # [B, 1] tree b's first candidate row
         self.result = WeaverTrees(self.tokens[:, : N + 1], self.parents[:, : N + 1], self.depths[:, : N + 1],
                                   self.draft_logprobs[:, : N + 1], self.num_nodes, self.truncated)
         self._graph = None                                # (first phase, second phase or None) once captured
@@ -309,18 +310,19 @@ class StaticWeaverTreeBuilder:
         return self.mask[:, s0: s0 + width, : self.state.prefix_len + s0 + width][:, None]
 
     def _push(self, h, s0: int, dep, active, score, cand_ids) -> None:
-        """Children of the W slots of one step into frontier rows N .. N+Wd*E-1.
+        """Children of the W slots of one step into frontier rows N .. N+Wd*E-1: each slot's log q over the
+        candidates of its depth (read in place from the [B * L, K] tables), then its top-E (`top_children`'s order)
+        as children, in one launch of `tfm_kernels.weaver_frontier` on CUDA.
 
-        h [B, W, r]; dep [B, W] long; active [B, W] bool (the slot is a node that expands); score [B, W] f64.
+        h [B, W, r]; dep [B, W] long (< L: a slot at depth L does not expand and has depth 0 here); active [B, W]
+        bool (the slot is a node that expands); score [B, W] f64.
         """
-        B, W = dep.shape
-        N, E, K, L = self.budget, self.E, self.K, self.L
-        row = dep.clamp(max=L - 1)[..., None].expand(B, W, K)                 # [B, W, K] candidate row = depth
-        ids = cand_ids.gather(1, row)                                          # [B, W, K]
-        logits = self.cand_logits.gather(1, row)                               # [B, W, K]
-        top = self.weaver.score(h, ids, logits, self.lm_head_weight).topk(E, dim=-1)   # [B, W, E]
+        K = self.K
+        rows = dep + self.row_base                                             # [B, W] candidate row b * L + depth
+        ids = cand_ids.reshape(-1, K)                                          # [B * L, K]
+        logq = self.weaver.score(h, ids, self.cand_logits.view(-1, K), self.lm_head_weight, rows=rows)  # [B, W, K]
         push = fused_push if self.fused_frontier else push_ref
-        push(self.front_int, self.front_flt, top.values, top.indices, ids, dep, active, score, s0, N)
+        push(self.front_int, self.front_flt, logq, ids, rows, dep, active, score, s0, self.budget, self.E)
 
     def _place(self, s0: int, expand: bool):
         """Rank the frontier (a stable sort by score, descending), place the first `width` entries into slots

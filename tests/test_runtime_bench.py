@@ -1,5 +1,6 @@
 """benchmarks/runtime/runtime_bench.py --smoke: every engine's row on the tiny world (CPU), the tree-build timing, the
-ratios and the greedy cross-check of FastDecoder against SpeculativeDecoder."""
+ratios, the greedy cross-check of FastDecoder against SpeculativeDecoder and the profiler trace per stage; the
+warm-up of every engine on every prompt."""
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from benchmarks.runtime import runtime_bench
 
 def test_smoke_rows(tmp_path):
     out = tmp_path / "runtime.json"
-    assert runtime_bench.main(["--smoke", "--weaver-steps", "16", "2", "--out", str(out)]) == 0
+    assert runtime_bench.main(["--smoke", "--weaver-steps", "16", "2", "--trace", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert list(res)[:2] == ["env", "setup"] and res["setup"]["smoke"] and res["errors"] == {} and res["complete"]
     rows, n = res["rows"], res["setup"]["new_tokens"] * res["setup"]["num_prompts"]
@@ -25,6 +26,13 @@ def test_smoke_rows(tmp_path):
             assert r["cuda_graphs"] is False and r["step_ms"] > 0
         if r["engine"] in ("ours chain", "ours ddtree", "ours weaver"):
             assert set(r["stage_ms"]) == {"draft", "tree", "verify", "commit"} and r["acceptance_length"] >= 1
+            # --trace: the profiler ranges of the decoder's stages, each once per verify step of the traced call
+            t, steps = r["trace"], r["verify_steps"] // r["prompts"]
+            assert set(t) == {"prefill", "draft", "tree", "verify", "commit"} and t["prefill"]["calls"] == 1
+            assert all(t[k]["calls"] == steps for k in ("draft", "tree", "verify", "commit"))
+            assert all(v["wall_ms"] > 0 for v in t.values()) and "ops" not in t["tree"]    # kernels: CUDA only
+    ar = next(r for r in rows if r["engine"] == "ours ar")
+    assert set(ar["trace"]) == {"decode"} and ar["trace"]["decode"]["calls"] == res["setup"]["new_tokens"] - 1
     build = res["tree_build"]
     assert build["budget"] == 8 and build["equals_reference"] and build["static_eager_ms"] > 0
     assert build["ddtree_equals_reference"] and build["ddtree_static_eager_ms"] > 0
@@ -141,21 +149,3 @@ def test_run_engine_warms_up_every_prompt(warm_all):
     assert calls == [("a", 32), ("bb", short), ("ccc", short), ("a", 32), ("bb", 32), ("ccc", 32)]
     assert row["prompts"] == 3 and row["new_tokens"] == 96 and outs == [[0] * 32] * 3
 
-
-def test_trace_attributes_stages(tmp_path):
-    """--trace: every engine of ours gets per-stage profiler figures (on the CPU: calls and wall ms; kernels need
-    CUDA); the Weaver's stages are the decoder's four, each called once per verify step."""
-    out = tmp_path / "runtime.json"
-    assert runtime_bench.main(["--smoke", "--trace", "--budgets", "4", "--check-prompts", "0", "--out",
-                               str(out)]) == 0
-    res = json.loads(out.read_text())
-    ar = next(r for r in res["rows"] if r["engine"] == "ours ar")
-    assert set(ar["trace"]) == {"decode"} and ar["trace"]["decode"]["calls"] == res["setup"]["new_tokens"] - 1
-    for r in res["rows"]:
-        if r["engine"] in ("ours chain", "ours ddtree", "ours weaver"):
-            t = r["trace"]
-            assert set(t) >= {"prefill", "draft", "tree", "verify", "commit"}, t
-            steps = r["verify_steps"] // r["prompts"]             # the traced call decodes the first prompt
-            assert all(t[k]["calls"] == steps for k in ("draft", "tree", "verify", "commit"))
-            assert t["prefill"]["calls"] == 1
-            assert all(v["wall_ms"] > 0 for v in t.values()) and "ops" not in t["tree"]

@@ -70,8 +70,12 @@ class FastDecoder:
         `step`. With `profile`, each stage of `generate` also runs inside a `torch.profiler.record_function` range
         "tfm.<stage>", so that a torch.profiler trace attributes every kernel to its stage
         (`benchmarks.runtime.runtime_bench --trace`)."""
+        if stage == "start":                          # nothing to time yet
+            if self.profile:
+                self._stage_range(self.NEXT_STAGE[stage])
+            return t0
         if self.profile and stage in self.NEXT_STAGE:
-            t1 = SpeculativeDecoder._tick(self, stats, stage, t0) if stage != "start" else t0
+            t1 = SpeculativeDecoder._tick(self, stats, stage, t0)
             self._stage_range(self.NEXT_STAGE[stage])
             return t1
         if self.profile or stage in ("prefill", "decode"):

@@ -1,8 +1,9 @@
-"""SwiGLU (Triton) against its float64 reference; CPU runs use the Triton interpreter."""
+"""SwiGLU (Triton) against its float64 reference, and silu_mul (inference, two projections) against the torch ops it
+replaces and float64; CPU runs use the Triton interpreter."""
 import pytest
 import torch
 
-from tfm_kernels.swiglu import swiglu, swiglu_ref
+from tfm_kernels.swiglu import silu_mul, swiglu, swiglu_ref
 
 
 def _check(shape, dtype, device, tol):
@@ -53,3 +54,42 @@ def test_gpu_compiles_without_graph_break():
     eager = torch.autograd.grad(f(x), lin.weight)[0]
     compiled = torch.autograd.grad(torch.compile(f, fullgraph=True)(x), lin.weight)[0]
     torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
+
+
+def check_silu_mul(shape, dtype, device):
+    """The torch ops' roundings (silu rounded to the dtype, then the product): fp16 / bf16 within one unit in the
+    last place of theirs (the fp32 silu before its rounding may differ in its last bits: another exp), fp32 within
+    four; and within rounding of float64."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    g, u = (3 * torch.randn(2, *shape, generator=gen)).to(device, dtype)
+    y = silu_mul(g, u)
+    want = (torch.nn.functional.silu(g) * u).double()
+    assert y.shape == g.shape and y.dtype == dtype
+    fi = torch.finfo(dtype)
+    spacing = fi.eps * torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=fi.tiny))))       # one ulp of want
+    assert ((y.double() - want).abs() <= (4 if dtype == torch.float32 else 1) * spacing).all()
+    if dtype != torch.float32:          # the same two roundings: equal but where the fp32 silu sits on a boundary
+        assert (y.double() == want).double().mean() > 0.99
+    ref = swiglu_ref(torch.cat([g, u], -1))
+    assert float((y.double() - ref).abs().max()) <= 4 * fi.eps * float(ref.abs().max())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", [(7, 3000), (2, 3, 10), (1, 1), (5, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_rounds_as_torch(shape, dtype):
+    check_silu_mul(shape, dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_silu_mul_rounds_as_torch(dtype):
+    check_silu_mul((65, 1536), dtype, "cuda")
+
+
+@pytest.mark.interpreter
+def test_silu_mul_bad_input():
+    for g, u in ((torch.zeros(3, 5), torch.zeros(3, 4)), (torch.zeros(2, 2).double(), torch.zeros(2, 2).double()),
+                 (torch.zeros(2, 2), torch.zeros(2, 2).half())):
+        with pytest.raises(ValueError, match="silu_mul expects"):
+            silu_mul(g, u)

@@ -1,4 +1,4 @@
 from tfm_kernels.swiglu.ref import swiglu_ref
-from tfm_kernels.swiglu.triton import swiglu
+from tfm_kernels.swiglu.triton import silu_mul, swiglu
 
-__all__ = ["swiglu", "swiglu_ref"]
+__all__ = ["silu_mul", "swiglu", "swiglu_ref"]

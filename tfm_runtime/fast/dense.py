@@ -15,7 +15,9 @@ can be captured in a CUDA graph (`start` / `pos` may be device tensors):
 Attention runs through torch SDPA with a boolean mask over the whole cache; on CUDA, decode and tree verify use the
 Triton tree-attention kernel (tfm_kernels.tree_attention), which reads the committed prefix up to `start` and the
 nodes' own keys. The math follows Hugging Face's Llama / Qwen3 (RMSNorm in fp32, RoPE tables in fp32, SwiGLU MLP,
-Qwen3's per-head q/k RMSNorm), so logits agree with the HF model to rounding.
+Qwen3's per-head q/k RMSNorm), so logits agree with the HF model to rounding. On CUDA a layer's small steps run as
+Triton kernels with the torch ops' roundings: each residual add with the next norm, the rotary embedding with the
+K/V cache write, and the MLP's silu(gate) * up.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from tfm_kernels.rms_norm import add_rms_norm as fused_add_rms_norm
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
 from tfm_kernels.rope import rope_cache as fused_rope_cache
+from tfm_kernels.swiglu import silu_mul as fused_silu_mul
 from tfm_runtime.models.common import inference_kernel_ok
 
 FAMILIES = ("llama", "qwen3")
@@ -175,6 +178,14 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
         return fused_add_rms_norm(x, r, weight, None, eps, one_plus=one_plus)
     x = x + r
     return x, (rms_norm_1p if one_plus else rms_norm)(x, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the MLP's two projections [..., I]; on CUDA one launch of `tfm_kernels.swiglu.silu_mul`
+    with the same roundings (two launches)."""
+    if inference_kernel_ok(gate, up):
+        return fused_silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -346,7 +357,7 @@ class DenseModel:
             q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[i], self.v_cache[i])
             o = attend(i, q, k, v)                                                          # [T, Hq, D]
             x, h = add_rms_norm(x, F.linear(o.reshape(T, nh * D), w.wo, w.bo), w.mlp_norm, eps)
-            mlp = F.linear(F.silu(F.linear(h, w.w_gate, w.b_gate)) * F.linear(h, w.w_up, w.b_up), w.w_down, w.b_down)
+            mlp = F.linear(silu_mul(F.linear(h, w.w_gate, w.b_gate), F.linear(h, w.w_up, w.b_up)), w.w_down, w.b_down)
             x, h = add_rms_norm(x, mlp, self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm, eps)
             if i in self.tap_layer_ids:
                 taps[i] = x

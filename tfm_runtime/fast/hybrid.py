@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
-from tfm_runtime.fast.dense import (DenseModel, DenseOutput, add_rms_norm, checked_weight, rms_norm_1p,
+from tfm_runtime.fast.dense import (DenseModel, DenseOutput, add_rms_norm, checked_weight, rms_norm_1p, silu_mul,
                                     rope_into_cache)
 from tfm_runtime.models.common import inference_kernel_ok
 from tfm_runtime.models.gdn_tree_torch import tree_recurrence
@@ -415,7 +415,7 @@ class HybridModel(DenseModel):
     def _mlp(self, m: MLP, h):
         """SwiGLU, or top-k MoE + sigmoid-gated shared expert (as HF's eager experts): h [T, H] -> [T, H]."""
         if m.router is None:
-            return F.linear(F.silu(F.linear(h, m.w_gate)) * F.linear(h, m.w_up), m.w_down)
+            return F.linear(silu_mul(F.linear(h, m.w_gate), F.linear(h, m.w_up)), m.w_down)
         c = self.cfg
         probs = F.softmax(F.linear(h, m.router), dim=-1, dtype=torch.float)                 # [T, E]
         top, sel = torch.topk(probs, c.experts_per_tok, dim=-1)                             # [T, k]

@@ -116,10 +116,12 @@ class StaticDFlash:
         nh, hd = cfg.num_attention_heads, cfg.head_dim
         pos = self.length + self.ar_block                                                  # [S] slots = positions
         seen = self.ar_slots[None, :] < (self.length + S)                                  # [1, slots]
+        layers = self.drafter.layers
         x = F.embedding(self.block, self.embed_weight)[None]                               # [1, S, H]
-        for i, layer in enumerate(self.drafter.layers):
+        h = layers[0].input_layernorm(x)                                                   # [1, S, H]
+        for i, layer in enumerate(layers):
             att = layer.self_attn
-            q, k, v = self._qkv(att, layer.input_layernorm(x)[0])                          # [S, heads, D]
+            q, k, v = self._qkv(att, h[0])                                                 # [S, heads, D]
             q, _ = rope_into_cache(q, k, v, self.cos, self.sin, pos, pos, self.k[i, 0], self.v[i, 0])
             q = q.transpose(0, 1)[None]                                                    # [1, nh, S, D]
             mask = seen
@@ -127,9 +129,11 @@ class StaticDFlash:
                 mask = seen & (self.ar_slots[None, :] > pos[:, None] - cfg.sliding_window)   # [S, slots]
             o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, scale=hd ** -0.5,
                                                enable_gqa=True)                            # [1, nh, S, D]
-            x = x + att.o_proj(o.transpose(1, 2).reshape(1, S, nh * hd))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = self.drafter.norm(x)[0, 1:]                                               # [L, H]
+            # each residual add with the norm after it (in CUDA inference one launch each, the same roundings)
+            x, h = layer.post_attention_layernorm.add(x, att.o_proj(o.transpose(1, 2).reshape(1, S, nh * hd)))
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.drafter.norm
+            x, h = nxt.add(x, layer.mlp(h))
+        hidden = h[0, 1:]                                                                  # [L, H] final norm
         return hidden @ self.lm_head_weight.T, hidden
 
     def _capture(self) -> None:

@@ -78,7 +78,11 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if inference_kernel_ok(gate, up):             # one launch, the same roundings as silu(gate) * up
+            from tfm_kernels.swiglu import silu_mul
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def save_safetensors_dir(path: str, config: dict, state_dict: dict[str, torch.Tensor]) -> None:

@@ -45,6 +45,10 @@ def test_smoke_rows(tmp_path):
     assert ratios["best_width"] == best["width"] and ratios["best_width_weaver_tokens_per_s_over_ar"]["value"] == round(
         best["tokens_per_s"] / next(r for r in rows if r["engine"] == "ours ar")["tokens_per_s"], 4)
     assert "best_width_weaver_tokens_per_s_over_ar" in runtime_bench.table(res)
+    ar = next(r for r in rows if r["engine"] == "ours ar")
+    assert ratios["steady_state_over_ar"]["best_width"] == round(
+        best["acceptance_length"] / best["step_ms"] * ar["step_ms"], 4)                # decode steps alone
+    assert "steady state" in runtime_bench.table(res)
     check = res["crosscheck"]
     assert check["cases"] == 3 and check["identical"] == 3 and check["ar_identical"] == 1 and not check["mismatches"]
 

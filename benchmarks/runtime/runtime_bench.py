@@ -437,6 +437,10 @@ def ratios(rows, build: dict, budget: int, graphs: bool) -> dict:
         out[k] = {"value": v, "goal": f"{op} {goal:.4g}",
                   "met": None if v is None else (v <= goal if op == "<=" else v >= goal)}
     out["best_width"] = get(best, "width")
+
+    def steady(r):        # tokens per ms of decode steps alone (acceptance / step ms) against AR's (1 / step ms)
+        return round(r["acceptance_length"] / r["step_ms"] * ar["step_ms"], 4) if r and ar else None
+    out["steady_state_over_ar"] = {"default_width": steady(wv), "best_width": steady(best)}
     out["note"] = (f"ours with cuda_graphs={graphs}; Weaver at budget {budget}, the default width unless named "
                    f"best_width (the fastest of the --weaver-steps rows); tokens/s ratios depend on the acceptance "
                    f"length (about 1 with random weights)")
@@ -466,9 +470,13 @@ def table(result: dict) -> str:
     else:
         lines += build_lines(b)
     for k, v in result["ratios"].items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and "goal" in v:
             width = f" (width {result['ratios'].get('best_width')})" if k.startswith("best_width") else ""
             lines.append(f"{k:<42}{str(v['value']):>10}  goal {v['goal']:<9} met {v['met']}{width}")
+    steady = result["ratios"].get("steady_state_over_ar") or {}
+    if steady:
+        lines.append(f"{'steady state (decode steps) over AR':<42}{str(steady['default_width']):>10}  best width "
+                     f"{steady['best_width']}")
     c = result.get("crosscheck")
     if c and "error" in c:
         lines.append(f"greedy cross-check vs SpeculativeDecoder: error {c['error']}")

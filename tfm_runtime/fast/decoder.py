@@ -349,7 +349,7 @@ class FastDecoder:
 
     def _read_tree(self, trees, logits: torch.Tensor | None) -> tuple[Tree, torch.Tensor | None, bool]:
         """`_host_tree`; with padded trees from captured builders and the verify graph's logits (fixed buffers),
-        the packing replays a CUDA graph of its own (about seven eager launches before)."""
+        the packing replays a CUDA graph of its own (eagerly it takes about seven launches)."""
         fixed = self.pad_trees and self.capture_trees and (
             logits is None or logits.data_ptr() == self.runner.graphs[self.max_nodes][2].logits.data_ptr())
         if not fixed:

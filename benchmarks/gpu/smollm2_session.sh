@@ -45,8 +45,9 @@ acc() {   # the acceptance benchmark in the time left, resumed from /root/work/a
 case ${STEP:-1} in
 1)  python3 -m benchmarks.gpu.wheels /root/site transformers gguf >"$OUT/wheels.log" 2>&1 || cat "$OUT/wheels.log"
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_*.py tests/test_rollout_gpu.py \
-      tests/test_kernels_rms_norm_rope.py tests/test_kernels_weaver_frontier.py >"$OUT/tests.log" 2>&1
+    timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_*.py tests/test_rollout_gpu.py \
+      tests/test_kernels_rms_norm_rope.py tests/test_kernels_weaver_frontier.py tests/test_kernels_swiglu.py \
+      tests/test_kernels_candidate_logits.py >"$OUT/tests.log" 2>&1
     echo "tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/session.txt"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
     [ "${RANDOM_BENCH:-0}" = 1 ] || { echo "step 1 done ($(( $(date +%s) - T0 )) s)"; exit 0; }

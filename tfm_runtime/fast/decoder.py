@@ -25,7 +25,7 @@ from tfm_runtime.engine import DecodeStats, GenerationOutput, SpeculativeDecoder
 from tfm_runtime.fast.ddtree import StaticChainBuilder, StaticDDTreeBuilder
 from tfm_runtime.fast.dense import DenseModel
 from tfm_runtime.fast.dflash import StaticDFlash
-from tfm_runtime.fast.graphs import GraphedTarget, warm_up
+from tfm_runtime.fast.graphs import GraphedTarget, capture
 from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
 from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.weaver import Weaver
@@ -60,26 +60,20 @@ class FastDecoder:
     _tree = SpeculativeDecoder._tree
     _verify = SpeculativeDecoder._verify
 
-    # the stage that follows each stage of `generate` (profiled runs mark each stage as a profiler range; a draft
-    # starts each round, at the loop's top)
-    NEXT_STAGE = {"start": "prefill", "prefill": None, "draft": "tree", "tree": "verify", "verify": "commit",
-                  "commit": None}
+    # the stage that follows a stage of a round (profiled runs mark each stage as a profiler range; the prefill
+    # and each round's draft open theirs in `generate`)
+    NEXT_STAGE = {"draft": "tree", "tree": "verify", "verify": "commit"}
 
     def _tick(self, stats: DecodeStats, stage: str, t0: float) -> float:
         """Add the time since t0 to `stage` (synchronised: profiled stages, the prefill and the AR loop), else to
         `step`. With `profile`, each stage of `generate` also runs inside a `torch.profiler.record_function` range
         "tfm.<stage>", so that a torch.profiler trace attributes every kernel to its stage
         (`benchmarks.runtime.runtime_bench --trace`)."""
-        if stage == "start":                          # nothing to time yet
-            if self.profile:
-                self._stage_range(self.NEXT_STAGE[stage])
-            return t0
-        if self.profile and stage in self.NEXT_STAGE:
-            t1 = SpeculativeDecoder._tick(self, stats, stage, t0)
-            self._stage_range(self.NEXT_STAGE[stage])
-            return t1
         if self.profile or stage in ("prefill", "decode"):
-            return SpeculativeDecoder._tick(self, stats, stage, t0)
+            t1 = SpeculativeDecoder._tick(self, stats, stage, t0)
+            if self.profile:
+                self._stage_range(self.NEXT_STAGE.get(stage))
+            return t1
         t1 = time.perf_counter()
         stats.seconds["step"] += t1 - t0
         return t1
@@ -130,8 +124,7 @@ class FastDecoder:
         # graphed verify pads every tree to max_nodes anyway: then static trees go in padded, no host read first
         self.pad_trees = isinstance(self.runner, GraphedTarget) and self.runner.enabled
         self.capture_trees = cuda_graphs and self.model.device.type == "cuda"
-        self._anc_graphs: dict[int, tuple] = {}          # parents buffer -> (graph, ancestor mask) (`_nodes`)
-        self._pack_graphs: dict[tuple, tuple] = {}       # (tree, logits buffers) -> (graph, packed) (`_read_tree`)
+        self._graphs: dict[tuple, tuple] = {}            # (what, its buffers) -> (graph, outputs) (`_replayed`)
         self._cand: tuple[torch.Tensor, torch.Tensor] | None = None   # DFlash's top-K (values, ids) [L, K]
         # the round's device-side state: the accepted path and the bonus (one host-to-device copy per round),
         # the committed length, the last accepted node's hidden state
@@ -169,7 +162,9 @@ class FastDecoder:
         rule = self._rule(temperature)
         stats = DecodeStats(prompt_tokens=prompt.numel())
         model, runner, dev = self.model, self.runner, self.model.device
-        t = self._tick(stats, "start", time.perf_counter())
+        if self.profile:
+            self._stage_range("prefill")
+        t = time.perf_counter()
         out = model.prefill(prompt)
         self.dflash.prefill(out.taps)
         first = filter_probs(out.logits.double(), temperature, top_k, top_p)[0]
@@ -219,7 +214,7 @@ class FastDecoder:
             self.step_host[-1] = int(bonus)
             self.step_dev.copy_(self.step_host, non_blocking=True)   # pinned on CUDA; rewritten after the next sync
             if self.commit_graphs:
-                if out.hidden.data_ptr() != self._commit_out.hidden.data_ptr():
+                if out.hidden.data_ptr() != self._padded_out().hidden.data_ptr():
                     raise RuntimeError("internal: the tree was not verified in the graph of the padded size")
                 self.commit_graphs[A].replay()
             else:
@@ -240,22 +235,16 @@ class FastDecoder:
         write slots at the end of the target's cache, DFlash context slots and GDN states, all of which the next
         prefill resets."""
         m, d, N = self.model, self.dflash, self.max_nodes
-        out = self.runner.graphs[N][2]                   # the verify graph's static outputs (logits, hidden, taps)
-        self._commit_out = out
+        out, tail = self._padded_out(), m.max_seq_len - N
         length = d.length.clone()
         for A in range(1, min(self.drafter.lookahead + 1, N) + 1):
             self.step_dev[:A].copy_(torch.arange(A, device=m.device))
 
             def warm(A=A):
-                self.start_dev.fill_(m.max_seq_len - N)
+                self.start_dev.fill_(tail)
                 d.length.zero_()
                 self._commit_ops(out, A)
-            warm_up(warm)
-            self.start_dev.fill_(m.max_seq_len - N)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._commit_ops(out, A)
-            self.commit_graphs[A] = graph
+            self.commit_graphs[A] = capture(lambda A=A: self._commit_ops(out, A), warm=warm)[0]
         d.length.copy_(length)
         self.runner.committed()
 
@@ -309,16 +298,22 @@ class FastDecoder:
         parents = trees.parents[:, :n]                                                      # [1, n]
         if not (self.pad_trees and self.capture_trees):
             return trees.tokens[0, :n], trees.depths[0, :n], ancestor_masks(parents, self.drafter.lookahead)[0]
-        key = parents.data_ptr()
-        if key not in self._anc_graphs:               # a builder's output buffers: one graph per buffer
-            warm_up(lambda: ancestor_masks(parents, self.drafter.lookahead), runs=1)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                anc = ancestor_masks(parents, self.drafter.lookahead)[0]                    # [n, n]
-            self._anc_graphs[key] = (graph, anc)
-        graph, anc = self._anc_graphs[key]
-        graph.replay()
+        anc = self._replayed(("anc", parents.data_ptr()),
+                             lambda: ancestor_masks(parents, self.drafter.lookahead)[0])             # [n, n]
         return trees.tokens[0, :n], trees.depths[0, :n], anc
+
+    def _replayed(self, key: tuple, fn):
+        """fn()'s outputs from a CUDA graph of fn, captured at the first call with this key (fn reads fixed buffers
+        only, which the key names)."""
+        if key not in self._graphs:
+            self._graphs[key] = capture(fn, runs=1)
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out
+
+    def _padded_out(self):
+        """The verify graph's static outputs at max_nodes (every tree goes in padded to it with CUDA graphs)."""
+        return self.runner.graphs[self.max_nodes][2]
 
     @staticmethod
     def _pack(trees, logits: torch.Tensor | None) -> torch.Tensor:
@@ -351,19 +346,11 @@ class FastDecoder:
         """`_host_tree`; with padded trees from captured builders and the verify graph's logits (fixed buffers),
         the packing replays a CUDA graph of its own (eagerly it takes about seven launches)."""
         fixed = self.pad_trees and self.capture_trees and (
-            logits is None or logits.data_ptr() == self.runner.graphs[self.max_nodes][2].logits.data_ptr())
+            logits is None or logits.data_ptr() == self._padded_out().logits.data_ptr())
         if not fixed:
             return self._host_tree(trees, logits)
-        key = (trees.tokens.data_ptr(), 0 if logits is None else logits.data_ptr())
-        if key not in self._pack_graphs:              # a builder's output buffers and a verify graph's logits
-            warm_up(lambda: self._pack(trees, logits), runs=1)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                packed = self._pack(trees, logits)                                      # [5 or 6, N+1]
-            self._pack_graphs[key] = (graph, packed)
-        graph, packed = self._pack_graphs[key]
-        graph.replay()
-        return self._unpack(packed.cpu())
+        key = ("pack", trees.tokens.data_ptr(), 0 if logits is None else logits.data_ptr())
+        return self._unpack(self._replayed(key, lambda: self._pack(trees, logits)).cpu())   # [5 or 6, N+1]
 
     @torch.no_grad()
     def generate_autoregressive(self, prompt_ids, max_new_tokens: int = 256,

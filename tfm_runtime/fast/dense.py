@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from tfm_kernels.rms_norm import add_rms_norm as fused_add_rms_norm
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
 from tfm_kernels.rope import rope_cache as fused_rope_cache
-from tfm_kernels.swiglu import silu_mul as fused_silu_mul
-from tfm_runtime.models.common import inference_kernel_ok
+from tfm_runtime.models.common import inference_kernel_ok, silu_mul
 
 FAMILIES = ("llama", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -178,14 +177,6 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
         return fused_add_rms_norm(x, r, weight, None, eps, one_plus=one_plus)
     x = x + r
     return x, (rms_norm_1p if one_plus else rms_norm)(x, weight, eps)
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the MLP's two projections [..., I]; on CUDA one launch of `tfm_kernels.swiglu.silu_mul`
-    with the same roundings (two launches)."""
-    if inference_kernel_ok(gate, up):
-        return fused_silu_mul(gate, up)
-    return F.silu(gate) * up
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

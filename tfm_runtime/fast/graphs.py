@@ -38,6 +38,16 @@ def warm_up(fn, runs: int = 2) -> None:
     torch.cuda.current_stream().wait_stream(stream)
 
 
+def capture(fn, warm=None, runs: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of fn() and fn's outputs (static tensors, rewritten by each replay), after `runs` warm-up runs of
+    `warm` (default: fn) on a side stream."""
+    warm_up(warm or fn, runs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def feed_graph_inputs(static: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], aliased: bool) -> None:
     """Give a captured graph its inputs: copy each into its static buffer, or, for a graph captured on the caller's
     own tensors (`aliased`), check that these are those tensors (same storage, shape and strides): nothing to copy."""
@@ -77,10 +87,7 @@ class GraphedTarget:
         depths = torch.zeros(N, dtype=torch.long, device=dev)                               # [N]
         anc = torch.eye(N, dtype=torch.bool, device=dev)                                    # [N, N]
         start = torch.full((1,), m.max_seq_len - N, dtype=torch.long, device=dev)           # [1] writes the tail
-        warm_up(lambda: m.verify_tree(tokens, depths, anc, start))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = m.verify_tree(tokens, depths, anc, start)
+        graph, out = capture(lambda: m.verify_tree(tokens, depths, anc, start))
         self.graphs[N] = (graph, (tokens, depths, anc, start), out)
         if self.hybrid:
             self.stashes[N] = m._stash
@@ -90,11 +97,7 @@ class GraphedTarget:
             def commit():
                 m._stash = self.stashes[N]
                 m.commit_states(leaf)
-            warm_up(commit)
-            commit_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(commit_graph):
-                commit()
-            self.commits[N] = (commit_graph, leaf)
+            self.commits[N] = (capture(commit)[0], leaf)
 
     def verify_tree(self, tokens, depths, anc, start) -> DenseOutput:
         """As DenseModel.verify_tree (outputs cover the n real nodes); `start` an int or a long tensor [1]."""

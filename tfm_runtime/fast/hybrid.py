@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
-from tfm_runtime.fast.dense import (DenseModel, DenseOutput, add_rms_norm, checked_weight, rms_norm_1p, silu_mul,
+from tfm_runtime.fast.dense import (DenseModel, DenseOutput, add_rms_norm, checked_weight, rms_norm_1p,
                                     rope_into_cache)
-from tfm_runtime.models.common import inference_kernel_ok
+from tfm_runtime.models.common import inference_kernel_ok, silu_mul
 from tfm_runtime.models.gdn_tree_torch import tree_recurrence
 
 FAMILIES = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5"}       # model_type -> family

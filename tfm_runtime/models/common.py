@@ -70,6 +70,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of an MLP's two projections [..., I]; in CUDA inference one launch of
+    `tfm_kernels.swiglu.silu_mul` with the same roundings (two launches)."""
+    if inference_kernel_ok(gate, up):
+        from tfm_kernels.swiglu import silu_mul as fused_silu_mul
+        return fused_silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool = False):
         super().__init__()
@@ -78,11 +87,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x):
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if inference_kernel_ok(gate, up):             # one launch, the same roundings as silu(gate) * up
-            from tfm_kernels.swiglu import silu_mul
-            return self.down_proj(silu_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def save_safetensors_dir(path: str, config: dict, state_dict: dict[str, torch.Tensor]) -> None:

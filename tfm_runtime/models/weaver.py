@@ -331,23 +331,22 @@ class Weaver(nn.Module):
         `scoring` picks how. `rows` (inference, no gradient): long [...] (h's leading shape), each query's row of
         cand_ids/cand_logits given as tables [R, K]; the kernels read those rows in place of a gather.
         """
+        query = self.lm_head_query_in(h)                                                 # [..., d_model]
+        kernels = (scoring.kernels and query.is_cuda and query.dtype != torch.float64
+                   and not lm_head_weight.requires_grad)
+        K = cand_ids.shape[-1]
         if rows is not None:
             if h.requires_grad or tuple(rows.shape) != tuple(h.shape[:-1]) or cand_ids.dim() != 2:
                 raise ValueError(f"score with rows: h [..., r] without gradient, rows [...] = {list(h.shape[:-1])} "
                                  f"and tables [R, K], got rows {list(rows.shape)}, cand_ids {list(cand_ids.shape)}")
-            query = self.lm_head_query_in(h)                                             # [..., d_model]
-            if scoring.kernels and query.is_cuda and query.dtype != torch.float64:
+            if kernels:
                 from tfm_kernels.candidate_logits import candidate_logits
-                K = cand_ids.shape[-1]
                 _, logq = candidate_logits(query.reshape(-1, query.shape[-1]), lm_head_weight, cand_ids,
                                            bias=cand_logits.float(), rows=rows.reshape(-1))   # [M, K] fp32
                 return logq.view(*rows.shape, K)
-            return self._score(query, cand_ids[rows], cand_logits[rows], lm_head_weight)
-        query = self.lm_head_query_in(h)                                                 # [..., d_model]
-        if (scoring.kernels and query.is_cuda and query.dtype != torch.float64
-                and not lm_head_weight.requires_grad):
+            cand_ids, cand_logits = cand_ids[rows], cand_logits[rows]                    # [..., K] each
+        if kernels:
             from tfm_kernels.candidate_logits import candidate_log_probs
-            K = cand_ids.shape[-1]
             hid, cand, bias = query.reshape(-1, query.shape[-1]), cand_ids.reshape(-1, K), cand_logits.reshape(-1, K)
             if scoring.group_rows > 0 and cand_ids.dim() >= 3:
                 from tfm_kernels.candidate_logits.grouped import grouped_candidate_log_probs
@@ -357,13 +356,8 @@ class Weaver(nn.Module):
             else:
                 logq = candidate_log_probs(hid, lm_head_weight, cand, bias=bias.float())  # [M, K] fp32
             return logq.view(cand_ids.shape)
-        return self._score(query, cand_ids, cand_logits, lm_head_weight)
-
-    @staticmethod
-    def _score(query, cand_ids, cand_logits, lm_head_weight) -> torch.Tensor:
-        """query [..., d_model], cand_ids/cand_logits [..., K] -> log q [..., K]: the gathered LM-head rows in torch."""
-        rows = lm_head_weight[cand_ids]                                                  # [..., K, d_model]
-        residual = (rows @ query.unsqueeze(-1)).squeeze(-1)                              # [..., K]
+        w = lm_head_weight[cand_ids]                                                     # [..., K, d_model]
+        residual = (w @ query.unsqueeze(-1)).squeeze(-1)                                 # [..., K]
         dt = torch.promote_types(residual.dtype, torch.float32)                          # fp32 or fp64
         return torch.log_softmax(cand_logits.to(dt) + residual.to(dt), dim=-1)
 

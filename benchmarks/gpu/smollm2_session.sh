@@ -73,7 +73,7 @@ case ${STEP:-1} in
 6)  timeout "$(left 300)" python3 -m benchmarks.runtime.shape27b_bench --out "$OUT/runtime_27b.json" \
       >"$OUT/shape27b.log" 2>&1
     echo "27b shape: exit $? ($(( $(date +%s) - T0 )) s)"; tail -25 "$OUT/shape27b.log" | cut -c1-250 ;;
-5)  for t in 0 1; do                                  # children per node at both temperatures (T = 1, 12 MT-Bench
+5)  for t in ${TEMPS:-0 1}; do                                  # children per node at both temperatures (T = 1, 12 MT-Bench
       timeout "$(left $(( 270 + 300 * t )))" python3 -m benchmarks.runtime.weaver_width \
         --target /root/work/target --adapter assets/smollm2-135m-instruct/weaver --prompts-dir /root/work/prompts \
         --limit 32 --group 32 --budgets 64 --steps 16 4 --expands 8 16 32 --temperature $t --no-progress \

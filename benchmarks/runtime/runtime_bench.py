@@ -212,7 +212,7 @@ def run_engine(name: str, call, prompts, n: int, dev, warm_all: bool = False, **
     return row, [t for t, _ in outs]
 
 
-def trace(fn, dev: torch.device, top: int = 5, calls: dict | None = None) -> dict:
+def trace(fn, dev: torch.device, top: int = 10, calls: dict | None = None) -> dict:
     """Run fn() under torch.profiler and sum its profiler ranges "tfm.<stage>" (FastDecoder with `profile`; the
     caller's own "tfm.decode" for AR): per stage, the calls, wall ms per call and, on CUDA, the device operations
     (kernels, also those replayed from CUDA graphs, memcpys and memsets) that start inside it: count and device ms

@@ -2,6 +2,7 @@
 GGUF as transformers reads it, later loads never parse the GGUF, concurrent first uses convert once, and a failed
 conversion leaves nothing behind."""
 import importlib.util
+import json
 import os
 import threading
 
@@ -82,11 +83,22 @@ def test_concurrent_first_uses_convert_once(fake_gguf):
         t.join()
     assert len(calls) == 1 and len(set(got)) == 1 and len(got) == 3
     out = got[0]
-    assert os.path.basename(out) == gguf.file_sha256(file)[:24]
+    assert os.path.basename(out) == gguf.cache_key(file)
     assert {"config.json", "model.safetensors", gguf.SOURCE} <= set(os.listdir(out))
+    with open(os.path.join(out, gguf.SOURCE)) as f:
+        assert json.load(f)["gguf_sha256"] == gguf.file_sha256(file)
     assert [f for f in os.listdir(os.path.dirname(out)) if f.startswith(".convert-")] == []
     from tfm_runtime.models.common import read_safetensors_header
     read_safetensors_header(os.path.join(out, "model.safetensors"))
+
+
+def test_a_rewritten_file_gets_a_new_copy(fake_gguf):
+    file, calls = fake_gguf
+    first = gguf.converted(file, "local:model.gguf")
+    assert gguf.converted(file, "local:model.gguf") == first and len(calls) == 1
+    with open(file, "ab") as f:
+        f.write(b" and more")
+    assert gguf.converted(file, "local:model.gguf") != first and len(calls) == 2
 
 
 def test_a_failed_conversion_leaves_nothing_and_the_next_use_converts(fake_gguf, monkeypatch):

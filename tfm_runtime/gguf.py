@@ -3,8 +3,9 @@
 transformers reads a GGUF by parsing its metadata and de-quantizing every tensor, once for the config, once for the
 weights and once per tokenizer load (SmolLM2-135M: ~15 s each on a CPU core), and it refuses to save what it loaded.
 So a GGUF target is converted once into a float32 copy (config.json, model.safetensors, the tokenizer with its chat
-template, tfm_source.json) in the cache, `$TFM_CACHE/gguf/<sha256 of the file>` (default `~/.cache/tfm`), and every
-later load reads that folder. float32 holds the de-quantized values exactly (transformers de-quantizes to float32),
+template, tfm_source.json with the file's sha256) in the cache, `$TFM_CACHE/gguf/<key>` (default `~/.cache/tfm`; the
+key hashes the file's path, size and modification time, so a load never reads the GGUF itself), and every later load
+reads that folder. float32 holds the de-quantized values exactly (transformers de-quantizes to float32),
 so a copy loaded in any dtype equals the GGUF loaded in that dtype.
 """
 from __future__ import annotations
@@ -46,6 +47,13 @@ def gguf_path(path: str, gguf_file: str | None, revision: str | None = None) -> 
     return file
 
 
+def cache_key(path: str) -> str:
+    """The cache folder name of a GGUF file: a hash of its real path, size and modification time (a file rewritten
+    in place gets a new folder; hashing a 15 GB GGUF on every load would cost seconds)."""
+    st = os.stat(path)
+    return hashlib.sha256(f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
+
+
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -57,8 +65,7 @@ def file_sha256(path: str) -> str:
 def converted(file: str, spec: str) -> str:
     """The float32 transformers folder of the GGUF `file` (spec: the name it came by, recorded), converted on first
     use. A lock file beside it makes concurrent first uses (test workers, Ray actors) wait for one conversion."""
-    sha = file_sha256(file)
-    out = os.path.join(cache_root(), "gguf", sha[:24])
+    out = os.path.join(cache_root(), "gguf", cache_key(file))
     if os.path.isfile(os.path.join(out, SOURCE)):
         return out
     from filelock import FileLock
@@ -71,7 +78,8 @@ def converted(file: str, spec: str) -> str:
             folder, name = os.path.split(file)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            save_copy(model, tokenizer, out, {"spec": spec, "gguf_sha256": sha})
+            save_copy(model, tokenizer, out, {"spec": spec, "gguf": os.path.realpath(file),
+                                              "gguf_sha256": file_sha256(file)})
     return out
 
 

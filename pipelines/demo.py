@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "benchmarks.runtime.acceptance", "--world", "smollm2",
            "--target", os.path.join(work, "target"), "--datasets", "mtbench", "--limit", str(args.prompts),
            "--max-new-tokens", str(args.max_new_tokens), "--budgets", "16", "64", "--check-prompts", "1",
-           "--t1-prompts", "0", "--out", os.path.join(work, "acceptance.json"),
+           "--no-t1", "--out", os.path.join(work, "acceptance.json"),
            "--plot", os.path.join(work, "acceptance.png")]
     for a in adapters:
         cmd += ["--adapter", a]

@@ -71,8 +71,7 @@ def read_bandwidth(dev, reps: int) -> float:
     written). The weight-streaming floor of an AR step is its weight bytes at this rate."""
     buf = torch.ones(1 << 31, dtype=torch.bfloat16, device=dev)                    # 4 GiB
     ms = warm_median_ms(lambda: torch.amax(buf), dev, reps)
-    del buf
-    return (1 << 32) / ms
+    return (1 << 32) / ms                                   # the buffer is freed on return, before the model
 
 
 def drafter_model(shape: dict, target_cfg, taps, dev, dtype):

@@ -78,15 +78,14 @@ def converted(file: str, spec: str) -> str:
             folder, name = os.path.split(file)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            save_copy(model, tokenizer, out, {"spec": spec, "gguf": os.path.realpath(file),
+            save_copy(plain_copy(model, spec), tokenizer, out, {"spec": spec, "gguf": os.path.realpath(file),
                                               "gguf_sha256": file_sha256(file)})
     return out
 
 
-def save_copy(model, tokenizer, out: str, info: dict, dtype: torch.dtype = torch.float32) -> dict:
-    """Save `model` (a transformers *ForCausalLM) in `dtype` as a plain folder without a quantization entry, with
-    `tokenizer` and tfm_source.json (`info` + dtype and parameter count), atomically: a temporary folder renamed into
-    place. Returns the tfm_source.json written."""
+def plain_copy(model, spec: str):
+    """A transformers model loaded from a GGUF, rebuilt without the config's quantization entry (transformers
+    refuses to save a model that has one) and with the same float32 weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
@@ -94,18 +93,23 @@ def save_copy(model, tokenizer, out: str, info: dict, dtype: torch.dtype = torch
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:            # a tied head may be absent
-        raise ValueError(f"{info.get('spec')}: weights do not match the config (missing {missing}, "
-                         f"unexpected {unexpected})")
+        raise ValueError(f"{spec}: weights do not match the config (missing {missing}, unexpected {unexpected})")
     plain.tie_weights()
-    plain = plain.to(dtype)
-    info = {**info, "dtype": str(dtype).removeprefix("torch."),
-            "parameters": sum(p.numel() for p in plain.parameters())}
+    return plain
+
+
+def save_copy(model, tokenizer, out: str, info: dict) -> dict:
+    """Save `model` (a plain transformers *ForCausalLM) with `tokenizer` and tfm_source.json (`info` + the model's
+    dtype and parameter count) as the folder `out`, atomically: a temporary folder renamed into place. Returns the
+    tfm_source.json written."""
+    info = {**info, "dtype": str(model.dtype).removeprefix("torch."),
+            "parameters": sum(p.numel() for p in model.parameters())}
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
     try:
         os.chmod(tmp, 0o755)
-        plain.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, SOURCE), "w") as f:
             json.dump(info, f, indent=1)

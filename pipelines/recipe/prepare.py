@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import os
 
-import torch
-
 from tfm_runtime.gguf import SOURCE, save_copy
-from tfm_runtime.loading import DTYPES, ModelSpec, load_tokenizer
+from tfm_runtime.loading import DTYPES, load_target, load_tokenizer
 
 
 def prepare_target(spec: str, out: str, dtype: str = "bfloat16") -> dict:
@@ -25,13 +23,8 @@ def prepare_target(spec: str, out: str, dtype: str = "bfloat16") -> dict:
         raise FileExistsError(f"{out} holds a target prepared from {info['spec']} ({info['dtype']}), not {spec}")
     if os.path.exists(out):
         raise FileExistsError(f"{out} exists and is not a prepared target (no {SOURCE})")
-    from transformers import AutoModelForCausalLM
-
-    from tfm_runtime.loading import _hf_source
-    src = ModelSpec.of(spec)
-    path, kw = _hf_source(src)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True, **kw)
-    return save_copy(model, load_tokenizer(src), out, {"spec": spec}, DTYPES[dtype])
+    model = load_target(spec, dtype=DTYPES[dtype]).model                  # the cached float32 copy, cast
+    return save_copy(model, load_tokenizer(spec), out, {"spec": spec})
 
 
 def main(argv=None) -> int:

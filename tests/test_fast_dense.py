@@ -57,6 +57,44 @@ def test_prefill_and_decode_equal_hf(worlds, family):
         torch.testing.assert_close(logits[0], ref.logits[0, pos], atol=ATOL, rtol=0)
 
 
+def test_fused_projections_share_the_hf_model_s_weights(tmp_path):
+    """from_hf re-homes each layer's q/k/v and gate/up weights (and biases) into one tensor, values unchanged: the
+    HF model computes and saves exactly as before, the fast model's fused weights are views of the same memory (an
+    in-place update reaches both), its logits equal the HF model's, and a second from_hf copies nothing."""
+    from transformers import LlamaForCausalLM
+    cfg = tiny_world("llama").target.model.config
+    cfg.attention_bias, cfg.mlp_bias = True, True
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).eval()
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    seq = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = hf(seq).logits[0]
+    model = DenseModel.from_hf(hf, max_seq_len=16)
+    attn, mlp, layer = hf.model.layers[1].self_attn, hf.model.layers[1].mlp, model.layers[1]
+    for fused, parts in ((layer.wqkv, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)),
+                         (layer.bqkv, (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)),
+                         (layer.w_gate_up, (mlp.gate_proj.weight, mlp.up_proj.weight)),
+                         (layer.b_gate_up, (mlp.gate_proj.bias, mlp.up_proj.bias))):
+        start = 0
+        for p in parts:                                   # consecutive row blocks of the fast model's tensor
+            assert p.data_ptr() == fused.data_ptr() + start * fused.element_size()
+            start += p.numel()
+        assert start == fused.numel()
+    after = hf.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    with torch.no_grad():
+        assert torch.equal(hf(seq).logits[0], want)
+    torch.testing.assert_close(model.prefill(seq[0]).logits[0], want[-1], atol=ATOL, rtol=0)
+    assert DenseModel.from_hf(hf, max_seq_len=16).layers[1].wqkv.data_ptr() == layer.wqkv.data_ptr()
+    with torch.no_grad():
+        attn.k_proj.weight.add_(1.0)                      # shared memory, as before the fusion
+    assert torch.equal(layer.wqkv[cfg.num_attention_heads * cfg.head_dim:][:1], attn.k_proj.weight[:1])
+    hf.save_pretrained(tmp_path)
+    again = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in hf.state_dict().items())
+
+
 def branchy_tree(path: list[int], vocab: int) -> tuple[Tree, list[int]]:
     """A tree whose true greedy path (root = path[0]) sits at nodes 0, 2, 5, 6, with wrong siblings and children
     around it; returns the tree and the nodes of the path."""

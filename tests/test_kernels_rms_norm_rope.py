@@ -60,6 +60,27 @@ def test_add_rms_norm_is_the_add_then_the_norm(shape, one_plus):
 
 
 @pytest.mark.interpreter
+def test_rms_norm_reads_strided_views_in_place():
+    """The views a fused projection's output is split into: q's heads [T, nh, D] (rows at two strides) and one half
+    of [T, 2D] (one stride) give the norm of their contiguous copies bit for bit, residual add included; a layout
+    with no last-dim-contiguous rows (transposed) is copied first and is right too."""
+    g = torch.Generator().manual_seed(3)
+    T, nh, nkv, D = 5, 3, 2, 24
+    qkv = torch.randn(T, (nh + 2 * nkv) * D, generator=g)                    # a fused q/k/v projection's output
+    w, b = 1 + torch.randn(D, generator=g), torch.randn(D, generator=g)
+    q = qkv[:, : nh * D].view(T, nh, D)
+    k = qkv[:, nh * D: (nh + nkv) * D].view(T, nkv, D)
+    for x in (q, k, qkv[:, : 6 * D].view(T, 3, 2 * D)[:, :, :D], torch.randn(2 * D, T, generator=g).t()[:, :D]):
+        for one_plus in (False, True):
+            want = rms_norm(x.contiguous(), w, b, 1e-6, one_plus=one_plus)
+            assert torch.equal(rms_norm(x, w, b, 1e-6, one_plus=one_plus), want)
+            assert _rel(want, rms_norm_ref(x, w, b, 1e-6, one_plus=one_plus)) < 1e-6
+        r = torch.randn(x.shape, generator=g)
+        s, y = add_rms_norm(x, r, w, None, 1e-6)
+        assert torch.equal(s, x + r) and torch.equal(y, rms_norm(x + r, w, None, 1e-6))
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", [(1, 576), (3, 5, 24), (2, 1000)])
 def test_rms_norm_matches_the_fast_targets_norms(shape, monkeypatch):
     """The dense targets' norm (`fast.dense.rms_norm`, Llama / Qwen3) and Qwen3.5's (`fast.hybrid.rms_norm_1p`, one

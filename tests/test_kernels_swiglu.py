@@ -93,6 +93,21 @@ def test_gpu_silu_mul_rounds_as_torch(dtype):
 
 
 @pytest.mark.interpreter
+def test_silu_mul_reads_the_halves_of_a_fused_projection_in_place():
+    """gate and up as the two halves of one [..., 2F] output (rows 2F apart), and a transposed layout (copied), give
+    `silu_mul` of their contiguous copies bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    for gu in (torch.randn(7, 2 * 300, generator=gen), torch.randn(2, 3, 2 * 10, generator=gen),
+               torch.randn(2 * 40, 9, generator=gen).t()):
+        F = gu.shape[-1] // 2
+        g, u = gu[..., :F], gu[..., F:]
+        y = silu_mul(g, u)
+        assert y.is_contiguous() and torch.equal(y, silu_mul(g.contiguous(), u.contiguous()))
+        assert float((y.double() - swiglu_ref(gu)).abs().max()) <= 4 * torch.finfo(torch.float32).eps * float(
+            y.abs().max())
+
+
+@pytest.mark.interpreter
 def test_silu_mul_bad_input():
     for g, u in ((torch.zeros(3, 5), torch.zeros(3, 4)), (torch.zeros(2, 2).double(), torch.zeros(2, 2).double()),
                  (torch.zeros(2, 2), torch.zeros(2, 2).half())):

@@ -17,16 +17,17 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x, w, b, z, r, s, y, D, eps, HAS_BIAS: tl.constexpr, ONE_PLUS: tl.constexpr,
+def rms_norm_fwd_kernel(x, w, b, z, r, s, y, D, NB, s_xa, s_xb, eps, HAS_BIAS: tl.constexpr, ONE_PLUS: tl.constexpr,
                         HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, BD: tl.constexpr):
-    """Row `program_id(0)` of x [N, D] -> y [N, D] (x, z, r, s, y row-major); w, b [D]; BD = next power of 2 >= D.
+    """Row `program_id(0)` of x [N, D] -> y [N, D] (z, r, s, y row-major; row i of x at (i // NB) * s_xa +
+    (i % NB) * s_xb, its last dim contiguous); w, b [D]; BD = next power of 2 >= D.
     HAS_RES: the row normalised is s = round(x + r), also written (a residual add before the norm).
     ONE_PLUS: y = round(x / rms(x) * (1 + w)), one rounding (Qwen3.5's norm); else the module's roundings.
     HAS_GATE: then y = round(y * silu(z)), silu in fp32 (the GDN output norm)."""
     row = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BD)
     m = o < D
-    xr = tl.load(x + row * D + o, mask=m, other=0.).to(tl.float32)
+    xr = tl.load(x + (row // NB) * s_xa + (row % NB) * s_xb + o, mask=m, other=0.).to(tl.float32)
     if HAS_RES:
         sr = (xr + tl.load(r + row * D + o, mask=m, other=0.).to(tl.float32)).to(y.dtype.element_ty)
         tl.store(s + row * D + o, sr, mask=m)
@@ -50,7 +51,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """RMSNorm of the last dim, forward only (no autograd).
 
     Args:
-        x: [..., D] fp16 / bf16 / fp32 on a Triton device, D <= 16384.
+        x: [..., D] fp16 / bf16 / fp32 on a Triton device, D <= 16384 (a strided 2-D or 3-D view whose last dim is
+            contiguous is read in place).
         weight, bias: [D] of x's dtype (bias may be None).
         one_plus: scale by (1 + weight) in fp32 and round once (Qwen3-Next / Qwen3.5) instead of rounding the
             normalised x before the weight (Llama, Qwen3, the drafters).
@@ -92,17 +94,32 @@ def _check(x, weight, bias, other, name) -> None:
                          f"got {tuple(other.shape)} {other.dtype} on {other.device}")
 
 
+def _x_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x [..., D] -> (x or a contiguous copy, NB, s_xa, s_xb): its i-th row of D at (i // NB) * s_xa + (i % NB) * s_xb.
+    Rows at one stride (e.g. the halves of a fused projection's output) or a 3-D [A, B, D] view with its last dim
+    contiguous (e.g. the heads of q split from a fused q/k/v projection) are read in place."""
+    D = x.shape[-1]
+    if x.stride(-1) == 1:
+        if x.dim() == 3 and x.shape[0] * x.shape[1] > 0:
+            return x, x.shape[1], x.stride(0), x.stride(1)
+        if x.dim() <= 2:
+            return x, 1, (x.stride(0) if x.dim() == 2 else D), 0
+    x2 = x.reshape(-1, D).contiguous()
+    return x2, 1, D, 0
+
+
 def _launch(x, weight, bias, eps, one_plus, gate, res) -> torch.Tensor:
     """The kernel over x's rows; res = (residual, s) for `add_rms_norm`."""
     D = x.shape[-1]
-    x2 = x.reshape(-1, D).contiguous()
-    z2 = gate.reshape(-1, D).contiguous() if gate is not None else x2
-    r2, s2 = (res[0].reshape(-1, D).contiguous(), res[1].view(-1, D)) if res is not None else (x2, x2)
-    y = torch.empty_like(x2)
-    if x2.shape[0]:
+    xr, NB, s_xa, s_xb = _x_rows(x)
+    N = x.numel() // D
+    y = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    z2 = gate.reshape(-1, D).contiguous() if gate is not None else y
+    r2, s2 = (res[0].reshape(-1, D).contiguous(), res[1].view(-1, D)) if res is not None else (y, y)
+    if N:
         BD = triton.next_power_of_2(D)
-        rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), bias if bias is not None else weight, z2, r2,
-                                            s2, y, D, eps, HAS_BIAS=bias is not None, ONE_PLUS=one_plus,
-                                            HAS_GATE=gate is not None, HAS_RES=res is not None, BD=BD,
-                                            num_warps=4 if BD <= 2048 else 8)
+        rms_norm_fwd_kernel[(N,)](xr, weight.contiguous(), bias if bias is not None else weight, z2, r2, s2, y, D,
+                                  NB, s_xa, s_xb, eps, HAS_BIAS=bias is not None, ONE_PLUS=one_plus,
+                                  HAS_GATE=gate is not None, HAS_RES=res is not None, BD=BD,
+                                  num_warps=4 if BD <= 2048 else 8)
     return y.view(x.shape)

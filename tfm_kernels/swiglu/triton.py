@@ -43,36 +43,49 @@ def swiglu_bwd_kernel(x, dy, dx, N, F, BN: tl.constexpr, BF: tl.constexpr):
 
 
 @triton.jit
-def silu_mul_kernel(g, u, y, N, F, BN: tl.constexpr, BF: tl.constexpr):
-    """y = silu(g) * u for a [BN, BF] tile of row-major [N, F] tensors, with torch's roundings of `F.silu(g) * u`:
-    silu in fp32 rounded to y's dtype, then the product in fp32 rounded again."""
+def silu_mul_kernel(g, u, y, N, F, s_g, s_u, BN: tl.constexpr, BF: tl.constexpr):
+    """y = silu(g) * u for a [BN, BF] tile of [N, F] tensors (rows of g and u s_g and s_u apart, y row-major), with
+    torch's roundings of `F.silu(g) * u`: silu in fp32 rounded to y's dtype, then the product in fp32 rounded
+    again."""
     o_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     o_f = tl.program_id(1) * BF + tl.arange(0, BF)
     m = (o_n < N)[:, None] & (o_f < F)[None, :]
     p = o_n[:, None] * F + o_f[None, :]
-    a = tl.load(g + p, mask=m, other=0.).to(tl.float32)
-    b = tl.load(u + p, mask=m, other=0.).to(tl.float32)
+    a = tl.load(g + o_n[:, None] * s_g + o_f[None, :], mask=m, other=0.).to(tl.float32)
+    b = tl.load(u + o_n[:, None] * s_u + o_f[None, :], mask=m, other=0.).to(tl.float32)
     s = (a / (1.0 + tl.exp(-a))).to(y.dtype.element_ty).to(tl.float32)
     tl.store(y + p, (s * b).to(y.dtype.element_ty), mask=m)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of two separate projections in one launch (forward only; inference): gate, up [..., F] of
-    one dtype (fp16 / bf16 / fp32) and shape on one device -> [..., F], rounded as `F.silu(gate) * up` (two
-    launches) rounds."""
+    one dtype (fp16 / bf16 / fp32) and shape on one device -> [..., F] contiguous, rounded as `F.silu(gate) * up`
+    (two launches) rounds. Rows at one stride with a contiguous last dim (e.g. the two halves of a fused gate/up
+    projection's output) are read in place."""
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device or gate.dim() == 0:
         raise ValueError(f"silu_mul expects gate and up of one shape, dtype and device, got {tuple(gate.shape)} "
                          f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
     if gate.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"silu_mul expects fp16, bf16 or fp32, got {gate.dtype}")
     F = gate.shape[-1]
-    g2, u2 = gate.reshape(-1, F).contiguous(), up.reshape(-1, F).contiguous()
-    y = torch.empty_like(g2)
+    g2, u2 = _strided_rows(gate), _strided_rows(up)
+    y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if g2.numel():
         BN, BF = 4, min(1024, triton.next_power_of_2(F))
-        silu_mul_kernel[(triton.cdiv(g2.shape[0], BN), triton.cdiv(F, BF))](g2, u2, y, g2.shape[0], F, BN=BN, BF=BF,
-                                                                           num_warps=8)
+        silu_mul_kernel[(triton.cdiv(g2.shape[0], BN), triton.cdiv(F, BF))](
+            g2, u2, y, g2.shape[0], F, g2.stride(0), u2.stride(0), BN=BN, BF=BF, num_warps=8)
     return y.view(gate.shape)
+
+
+def _strided_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., F] as [N, F] rows at one stride with a contiguous last dim: a view where one exists, else a copy."""
+    F = x.shape[-1]
+    if x.stride(-1) == 1:
+        try:
+            return x.view(-1, F)
+        except RuntimeError:                          # rows at more than one stride
+            pass
+    return x.reshape(-1, F).contiguous()
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, int], dict]:

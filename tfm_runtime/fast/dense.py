@@ -1,7 +1,8 @@
 """Compact dense target (Llama, Qwen3) with a static KV cache, for one request at a time.
 
 The weights come from a Hugging Face causal LM's state dict (shared with it, not copied) or from a safetensors
-folder. The KV cache is preallocated to `max_seq_len` slots and kept on the object. Every entry point has shapes
+folder. The projections one input feeds run as one GEMM each (q, k and v; gate and up): `from_hf` first gives each
+group one tensor, the HF modules' weights becoming views of it (`rehome_linears`), so nothing is copied. The KV cache is preallocated to `max_seq_len` slots and kept on the object. Every entry point has shapes
 that depend only on its inputs' sizes and `max_seq_len`, never on how much of the cache is committed, so each one
 can be captured in a CUDA graph (`start` / `pos` may be device tensors):
 
@@ -123,24 +124,19 @@ def rope_inv_freq(cfg: DenseConfig) -> torch.Tensor:
 
 @dataclass
 class Layer:
-    """One decoder layer's weights ([out, in] like nn.Linear); biases and q/k norms are None when absent."""
+    """One decoder layer's weights ([out, in] like nn.Linear); biases and q/k norms are None when absent. The
+    projections one input feeds are one tensor each (`fused_rows`): q, k, v one GEMM, gate and up one GEMM."""
     attn_norm: torch.Tensor              # [H]
-    wq: torch.Tensor                     # [Hq * D, H]
-    wk: torch.Tensor                     # [Hkv * D, H]
-    wv: torch.Tensor                     # [Hkv * D, H]
+    wqkv: torch.Tensor                   # [(Hq + 2 Hkv) * D, H]: q, k, v rows
     wo: torch.Tensor                     # [H, Hq * D]
     mlp_norm: torch.Tensor               # [H]
-    w_gate: torch.Tensor                 # [I, H]
-    w_up: torch.Tensor                   # [I, H]
+    w_gate_up: torch.Tensor              # [2 I, H]: gate, up rows
     w_down: torch.Tensor                 # [H, I]
     q_norm: torch.Tensor | None = None   # [D]
     k_norm: torch.Tensor | None = None   # [D]
-    bq: torch.Tensor | None = None
-    bk: torch.Tensor | None = None
-    bv: torch.Tensor | None = None
+    bqkv: torch.Tensor | None = None     # [(Hq + 2 Hkv) * D]
     bo: torch.Tensor | None = None
-    b_gate: torch.Tensor | None = None
-    b_up: torch.Tensor | None = None
+    b_gate_up: torch.Tensor | None = None   # [2 I]
     b_down: torch.Tensor | None = None
 
 
@@ -218,6 +214,53 @@ def checked_weight(state: dict[str, torch.Tensor], missing: list[str], name: str
     return t.detach()
 
 
+def fused_rows(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Weights [n_i, H] (or biases [n_i]) that one GEMM computes together -> one [sum n_i, ...] tensor: a view
+    spanning them where they lie back to back in one storage (as `rehome_linears` leaves a model's), else their
+    concatenation (a copy). None if any part is None."""
+    if any(p is None for p in parts):
+        return None
+    parts = [p.detach() for p in parts]
+    if not _back_to_back(parts):
+        return torch.cat(parts)
+    first = parts[0]
+    return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride(),
+                            first.storage_offset())
+
+
+@torch.no_grad()
+def rehome_linears(linears) -> None:
+    """Give these nn.Linear modules (one input feeds them all: q, k, v; gate, up) one weight tensor and one bias
+    tensor, their own becoming consecutive row blocks of it, values unchanged, so that `fused_rows` spans them without
+    a copy and one GEMM computes them all. The modules keep working (on views) and save as before; their old tensors
+    are freed unless referenced elsewhere. Nothing changes where they already lie back to back, or where their dtypes,
+    devices or bias presence differ, or a weight is not a plain tensor (e.g. quantized, or on the meta device)."""
+    ws, bs = [m.weight for m in linears], [m.bias for m in linears]
+    if (any(type(w.data) is not torch.Tensor or w.is_meta for w in ws)
+            or len({(w.dtype, w.device, w.shape[1:]) for w in ws}) != 1 or len({b is None for b in bs}) != 1):
+        return
+    for params in (ws, bs):
+        if params[0] is None or _back_to_back([p.data for p in params]):
+            continue
+        fused = torch.cat([p.data for p in params])                             # [sum n_i, ...]
+        start = 0
+        for p in params:
+            p.data = fused[start:start + p.shape[0]]
+            start += p.shape[0]
+
+
+def _back_to_back(parts: list[torch.Tensor]) -> bool:
+    """Contiguous tensors of one dtype, device and row shape, lying in order one after the other in one storage."""
+    first, offset = parts[0], parts[0].storage_offset()
+    for p in parts:
+        if (not p.is_contiguous() or p.dtype != first.dtype or p.device != first.device
+                or p.shape[1:] != first.shape[1:] or p.storage_offset() != offset
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return False
+        offset += p.numel()
+    return True
+
+
 class DenseModel:
     """A dense Llama / Qwen3 target for batch 1 with a static KV cache of `max_seq_len` slots.
 
@@ -227,6 +270,8 @@ class DenseModel:
     """
 
     config_class = DenseConfig              # what from_hf / from_pretrained read the HF config into
+    # Hugging Face modules whose projections one GEMM computes (from_hf gives each group one tensor)
+    FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
     def __init__(self, cfg: DenseConfig, state: dict[str, torch.Tensor], tap_layer_ids=(), *,
                  max_seq_len: int = 2048, attention: str = "auto"):
@@ -249,12 +294,19 @@ class DenseModel:
     @classmethod
     def from_hf(cls, model, tap_layer_ids=(), **kw) -> "DenseModel":
         """From a Hugging Face *ForCausalLM (or a TargetModel, whose tap layers are then the default); the tensors
-        are the model's own (no copy)."""
+        are the model's own (no copy): the projections of each FUSED_LINEARS group are first re-homed into one
+        tensor (`rehome_linears`), which the model keeps using as views."""
         from tfm_runtime.models.target import TargetModel
         if isinstance(model, TargetModel):
             tap_layer_ids = tap_layer_ids or model.tap_layer_ids
             model = model.model
-        return cls(cls.config_class.from_hf(model.config), dict(model.state_dict()), tap_layer_ids, **kw)
+        cfg = cls.config_class.from_hf(model.config)
+        for module in model.modules():
+            for names in cls.FUSED_LINEARS:
+                group = [getattr(module, n, None) for n in names]
+                if all(isinstance(g, torch.nn.Linear) for g in group):
+                    rehome_linears(group)
+        return cls(cfg, dict(model.state_dict()), tap_layer_ids, **kw)
 
     @classmethod
     def from_pretrained(cls, path: str, tap_layer_ids=(), *, dtype: torch.dtype | None = None, device=None,
@@ -284,17 +336,19 @@ class DenseModel:
             ab, mb = c.attention_bias, c.mlp_bias
             self.layers.append(Layer(
                 attn_norm=get(p + "input_layernorm.weight", (H,)),
-                wq=get(a + "q_proj.weight", (c.num_heads * D, H)),
-                wk=get(a + "k_proj.weight", (c.num_kv_heads * D, H)),
-                wv=get(a + "v_proj.weight", (c.num_kv_heads * D, H)),
+                wqkv=fused_rows([get(a + "q_proj.weight", (c.num_heads * D, H)),
+                                 get(a + "k_proj.weight", (c.num_kv_heads * D, H)),
+                                 get(a + "v_proj.weight", (c.num_kv_heads * D, H))]),
                 wo=get(a + "o_proj.weight", (H, c.num_heads * D)),
                 mlp_norm=get(p + "post_attention_layernorm.weight", (H,)),
-                w_gate=get(m + "gate_proj.weight", (I, H)), w_up=get(m + "up_proj.weight", (I, H)),
+                w_gate_up=fused_rows([get(m + "gate_proj.weight", (I, H)), get(m + "up_proj.weight", (I, H))]),
                 w_down=get(m + "down_proj.weight", (H, I)),
                 q_norm=get(a + "q_norm.weight", (D,), c.qk_norm), k_norm=get(a + "k_norm.weight", (D,), c.qk_norm),
-                bq=get(a + "q_proj.bias", (c.num_heads * D,), ab), bk=get(a + "k_proj.bias", (c.num_kv_heads * D,), ab),
-                bv=get(a + "v_proj.bias", (c.num_kv_heads * D,), ab), bo=get(a + "o_proj.bias", (H,), ab),
-                b_gate=get(m + "gate_proj.bias", (I,), mb), b_up=get(m + "up_proj.bias", (I,), mb),
+                bqkv=fused_rows([get(a + "q_proj.bias", (c.num_heads * D,), ab),
+                                 get(a + "k_proj.bias", (c.num_kv_heads * D,), ab),
+                                 get(a + "v_proj.bias", (c.num_kv_heads * D,), ab)]),
+                bo=get(a + "o_proj.bias", (H,), ab),
+                b_gate_up=fused_rows([get(m + "gate_proj.bias", (I,), mb), get(m + "up_proj.bias", (I,), mb)]),
                 b_down=get(m + "down_proj.bias", (H,), mb)))
         if missing:
             raise ValueError(f"{len(missing)} weights missing for this {c.family} config, e.g. {missing[:6]}")
@@ -340,15 +394,15 @@ class DenseModel:
         h = rms_norm(x, self.layers[0].attn_norm, eps)
         taps = {}
         for i, w in enumerate(self.layers):
-            q = F.linear(h, w.wq, w.bq).view(T, nh, D)
-            k = F.linear(h, w.wk, w.bk).view(T, nkv, D)
-            v = F.linear(h, w.wv, w.bv).view(T, nkv, D)
+            q, k, v = F.linear(h, w.wqkv, w.bqkv).split([nh * D, nkv * D, nkv * D], dim=-1)   # [T, .] views
+            q, k, v = q.view(T, nh, D), k.view(T, nkv, D), v.view(T, nkv, D)
             if c.qk_norm:
                 q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
             q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[i], self.v_cache[i])
             o = attend(i, q, k, v)                                                          # [T, Hq, D]
             x, h = add_rms_norm(x, F.linear(o.reshape(T, nh * D), w.wo, w.bo), w.mlp_norm, eps)
-            mlp = F.linear(silu_mul(F.linear(h, w.w_gate, w.b_gate), F.linear(h, w.w_up, w.b_up)), w.w_down, w.b_down)
+            gate, up = F.linear(h, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)                # [T, I] views
+            mlp = F.linear(silu_mul(gate, up), w.w_down, w.b_down)
             x, h = add_rms_norm(x, mlp, self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm, eps)
             if i in self.tap_layer_ids:
                 taps[i] = x

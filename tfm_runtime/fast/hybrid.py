@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
-from tfm_runtime.fast.dense import (DenseModel, DenseOutput, add_rms_norm, checked_weight, rms_norm_1p,
+from tfm_runtime.fast.dense import (DenseModel, DenseOutput, add_rms_norm, checked_weight, fused_rows, rms_norm_1p,
                                     rope_into_cache)
 from tfm_runtime.models.common import inference_kernel_ok, silu_mul
 from tfm_runtime.models.gdn_tree_torch import tree_recurrence
@@ -177,9 +177,8 @@ def conv_windows(parents: torch.Tensor, width: int) -> torch.Tensor:
 
 @dataclass
 class AttnLayer:
-    wq: torch.Tensor                     # [Hq * 2D, H]  (q and the output gate, interleaved per head)
-    wk: torch.Tensor                     # [Hkv * D, H]
-    wv: torch.Tensor                     # [Hkv * D, H]
+    wqkv: torch.Tensor                   # [Hq * 2D + 2 Hkv * D, H]: q and the output gate (interleaved per head),
+                                         # then k, then v (`fused_rows`: one GEMM)
     wo: torch.Tensor                     # [H, Hq * D]
     q_norm: torch.Tensor                 # [D]
     k_norm: torch.Tensor                 # [D]
@@ -203,8 +202,7 @@ class GDNLayer:
 
 @dataclass
 class MLP:
-    w_gate: torch.Tensor | None = None   # SwiGLU [I, H]
-    w_up: torch.Tensor | None = None     # [I, H]
+    w_gate_up: torch.Tensor | None = None   # SwiGLU [2 I, H]: gate, then up rows (`fused_rows`: one GEMM)
     w_down: torch.Tensor | None = None   # [H, I]
     router: torch.Tensor | None = None   # MoE [E, H]
     experts: list | None = None          # E SwiGLU MLPs of Im channels
@@ -269,7 +267,8 @@ class HybridModel(DenseModel):
         get = functools.partial(checked_weight, state, missing)
 
         def swiglu(p, inter):
-            return MLP(w_gate=get(p + "gate_proj.weight", (inter, H)), w_up=get(p + "up_proj.weight", (inter, H)),
+            return MLP(w_gate_up=fused_rows([get(p + "gate_proj.weight", (inter, H)),
+                                             get(p + "up_proj.weight", (inter, H))]),
                        w_down=get(p + "down_proj.weight", (H, inter)))
 
         self.embed = get("embed_tokens.weight", (c.vocab_size, H))                          # [V, H]
@@ -282,8 +281,9 @@ class HybridModel(DenseModel):
             p = f"layers.{i}."
             if kind == "full_attention":
                 a = p + "self_attn."
-                mixer = AttnLayer(wq=get(a + "q_proj.weight", (nh * 2 * D, H)),
-                                  wk=get(a + "k_proj.weight", (nkv * D, H)), wv=get(a + "v_proj.weight", (nkv * D, H)),
+                mixer = AttnLayer(wqkv=fused_rows([get(a + "q_proj.weight", (nh * 2 * D, H)),
+                                                   get(a + "k_proj.weight", (nkv * D, H)),
+                                                   get(a + "v_proj.weight", (nkv * D, H))]),
                                   wo=get(a + "o_proj.weight", (H, nh * D)),
                                   q_norm=get(a + "q_norm.weight", (D,)), k_norm=get(a + "k_norm.weight", (D,)))
             else:
@@ -306,7 +306,7 @@ class HybridModel(DenseModel):
                 if m + "experts.gate_up_proj" in state:         # as transformers holds them: views of 3-D tensors
                     gate_up = get(m + "experts.gate_up_proj", (E, 2 * Im, H))
                     down = get(m + "experts.down_proj", (E, H, Im))
-                    experts = [MLP(w_gate=gate_up[e, :Im], w_up=gate_up[e, Im:], w_down=down[e]) for e in range(E)]
+                    experts = [MLP(w_gate_up=gate_up[e], w_down=down[e]) for e in range(E)]
                 else:                                          # as checkpoints store them: one MLP per expert
                     experts = [swiglu(f"{m}experts.{e}.", Im) for e in range(E)]
                 mlp = MLP(router=get(m + "gate.weight", (E, H)), experts=experts,
@@ -341,10 +341,11 @@ class HybridModel(DenseModel):
         layer's cache."""
         c = self.cfg
         T, nh, nkv, D, eps = h.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-        q, gate = F.linear(h, w.wq).view(T, nh, 2 * D).chunk(2, dim=-1)                    # [T, Hq, D] each
+        qg, k, v = F.linear(h, w.wqkv).split([nh * 2 * D, nkv * D, nkv * D], dim=-1)       # [T, .] views
+        q, gate = qg.view(T, nh, 2 * D).chunk(2, dim=-1)                                    # [T, Hq, D] each
         q = rms_norm_1p(q, w.q_norm, eps)
-        k = rms_norm_1p(F.linear(h, w.wk).view(T, nkv, D), w.k_norm, eps)
-        v = F.linear(h, w.wv).view(T, nkv, D)
+        k = rms_norm_1p(k.view(T, nkv, D), w.k_norm, eps)
+        v = v.view(T, nkv, D)
         q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[slot], self.v_cache[slot])
         o = attend(slot, q, k, v).reshape(T, nh * D)                                         # [T, Hq D]
         return F.linear(o * torch.sigmoid(gate.reshape(T, nh * D)), w.wo)
@@ -415,7 +416,8 @@ class HybridModel(DenseModel):
     def _mlp(self, m: MLP, h):
         """SwiGLU, or top-k MoE + sigmoid-gated shared expert (as HF's eager experts): h [T, H] -> [T, H]."""
         if m.router is None:
-            return F.linear(silu_mul(F.linear(h, m.w_gate), F.linear(h, m.w_up)), m.w_down)
+            gate, up = F.linear(h, m.w_gate_up).chunk(2, dim=-1)                            # [T, I] views
+            return F.linear(silu_mul(gate, up), m.w_down)
         c = self.cfg
         probs = F.softmax(F.linear(h, m.router), dim=-1, dtype=torch.float)                 # [T, E]
         top, sel = torch.topk(probs, c.experts_per_tok, dim=-1)                             # [T, k]

@@ -4,7 +4,7 @@ the Triton interpreter (fp32, fp16)."""
 import pytest
 import torch
 
-from tfm_kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_ref
+from tfm_kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_ref, rms_norm_rows
 from tfm_kernels.rope import rope_cache, rope_cache_ref, rope_qk, rope_qk_ref
 from tfm_runtime.models.common import RMSNorm, apply_rope, rope_cos_sin
 
@@ -78,6 +78,25 @@ def test_rms_norm_reads_strided_views_in_place():
         r = torch.randn(x.shape, generator=g)
         s, y = add_rms_norm(x, r, w, None, 1e-6)
         assert torch.equal(s, x + r) and torch.equal(y, rms_norm(x + r, w, None, 1e-6))
+
+
+@pytest.mark.interpreter
+def test_rms_norm_rows_is_the_norm_of_the_looked_up_rows():
+    """An embedding lookup and its norm in one launch: `rms_norm_rows(table, index)` equals `rms_norm(table[index])`
+    bit for bit (repeated and 2-D indices, with a bias, a table that is a view with rows apart), and bad inputs are
+    refused."""
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.float16):
+        table = torch.randn(50, 2 * 40, generator=g).to(dtype)[:, :40]              # rows 80 apart
+        w, b = (1 + torch.randn(40, generator=g)).to(dtype), torch.randn(40, generator=g).to(dtype)
+        index = torch.tensor([[3, 49, 3], [0, 7, 21]])
+        y = rms_norm_rows(table, index, w, b, 1e-6)
+        assert y.shape == (2, 3, 40) and y.is_contiguous()
+        assert torch.equal(y, rms_norm(table[index], w, b, 1e-6))
+    with pytest.raises(ValueError, match="rms_norm_rows expects"):
+        rms_norm_rows(table, index.float(), w, b)
+    with pytest.raises(ValueError, match="rms_norm_rows expects"):
+        rms_norm_rows(table[None], index, w, b)
 
 
 @pytest.mark.interpreter

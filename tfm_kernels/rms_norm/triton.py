@@ -17,17 +17,23 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x, w, b, z, r, s, y, D, NB, s_xa, s_xb, eps, HAS_BIAS: tl.constexpr, ONE_PLUS: tl.constexpr,
-                        HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, BD: tl.constexpr):
+def rms_norm_fwd_kernel(x, idx, w, b, z, r, s, y, D, NB, s_xa, s_xb, eps, HAS_BIAS: tl.constexpr,
+                        ONE_PLUS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, HAS_IDX: tl.constexpr,
+                        BD: tl.constexpr):
     """Row `program_id(0)` of x [N, D] -> y [N, D] (z, r, s, y row-major; row i of x at (i // NB) * s_xa +
-    (i % NB) * s_xb, its last dim contiguous); w, b [D]; BD = next power of 2 >= D.
+    (i % NB) * s_xb, its last dim contiguous; HAS_IDX: at idx[i] * s_xa, rows gathered from a table); w, b [D];
+    BD = next power of 2 >= D.
     HAS_RES: the row normalised is s = round(x + r), also written (a residual add before the norm).
     ONE_PLUS: y = round(x / rms(x) * (1 + w)), one rounding (Qwen3.5's norm); else the module's roundings.
     HAS_GATE: then y = round(y * silu(z)), silu in fp32 (the GDN output norm)."""
     row = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BD)
     m = o < D
-    xr = tl.load(x + (row // NB) * s_xa + (row % NB) * s_xb + o, mask=m, other=0.).to(tl.float32)
+    if HAS_IDX:
+        x_off = tl.load(idx + row).to(tl.int64) * s_xa
+    else:
+        x_off = (row // NB) * s_xa + (row % NB) * s_xb
+    xr = tl.load(x + x_off + o, mask=m, other=0.).to(tl.float32)
     if HAS_RES:
         sr = (xr + tl.load(r + row * D + o, mask=m, other=0.).to(tl.float32)).to(y.dtype.element_ty)
         tl.store(s + row * D + o, sr, mask=m)
@@ -62,6 +68,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """
     _check(x, weight, bias, gate, "gate")
     return _launch(x, weight, bias, eps, one_plus, gate, None)
+
+
+def rms_norm_rows(table: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> torch.Tensor:
+    """`rms_norm(table[index], ...)` in one launch, the rows read from the table in place (an embedding lookup and
+    its norm): table [V, D] with a contiguous last dim, index long [...] (0 <= index < V, not checked: no host
+    read) -> [..., D] of the table's dtype, contiguous."""
+    _check(table, weight, bias, None, "")
+    D = table.shape[-1]
+    if table.dim() != 2 or table.stride(-1) != 1 or index.dtype not in (torch.int32, torch.int64) \
+            or index.device != table.device:
+        raise ValueError(f"rms_norm_rows expects a table [V, D] with a contiguous last dim and an int index on its "
+                         f"device, got {tuple(table.shape)} (strides {table.stride()}) and {index.dtype} on "
+                         f"{index.device}")
+    idx = index.reshape(-1).contiguous()
+    y = torch.empty(idx.shape[0], D, dtype=table.dtype, device=table.device)
+    if idx.shape[0]:
+        BD = triton.next_power_of_2(D)
+        rms_norm_fwd_kernel[(idx.shape[0],)](table, idx, weight.contiguous(), bias if bias is not None else weight, y,
+                                             y, y, y, D, 1, table.stride(0), 0, eps, HAS_BIAS=bias is not None,
+                                             ONE_PLUS=False, HAS_GATE=False, HAS_RES=False, HAS_IDX=True, BD=BD,
+                                             num_warps=4 if BD <= 2048 else 8)
+    return y.view(*index.shape, D)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -118,8 +147,8 @@ def _launch(x, weight, bias, eps, one_plus, gate, res) -> torch.Tensor:
     r2, s2 = (res[0].reshape(-1, D).contiguous(), res[1].view(-1, D)) if res is not None else (y, y)
     if N:
         BD = triton.next_power_of_2(D)
-        rms_norm_fwd_kernel[(N,)](xr, weight.contiguous(), bias if bias is not None else weight, z2, r2, s2, y, D,
-                                  NB, s_xa, s_xb, eps, HAS_BIAS=bias is not None, ONE_PLUS=one_plus,
-                                  HAS_GATE=gate is not None, HAS_RES=res is not None, BD=BD,
+        rms_norm_fwd_kernel[(N,)](xr, xr, weight.contiguous(), bias if bias is not None else weight, z2, r2, s2, y,
+                                  D, NB, s_xa, s_xb, eps, HAS_BIAS=bias is not None, ONE_PLUS=one_plus,
+                                  HAS_GATE=gate is not None, HAS_RES=res is not None, HAS_IDX=False, BD=BD,
                                   num_warps=4 if BD <= 2048 else 8)
     return y.view(x.shape)

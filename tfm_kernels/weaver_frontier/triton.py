@@ -1,5 +1,5 @@
-"""The frontier steps of the shape-static Weaver tree build, each in one launch (Triton): one program per tree. The
-build runs both once per round, in sixteen or more sequential rounds, where launches are most of the time.
+"""The frontier steps of the shape-static Weaver tree build, each in one launch (Triton): `place` one program per
+tree, `push` one per expanded slot. The build runs both once per round, in sixteen or more sequential rounds, where launches are most of the time.
 
 `place` does what `ref.place_ref` does in a sort and about twenty-five torch launches: rank the frontier (each
 entry's rank in a stable sort of the scores, descending, counted: the entries that go before it), read the `width`
@@ -104,36 +104,36 @@ def place(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, vi
 
 @triton.jit
 def weaver_push_kernel(front_int, front_flt, logq, cand_ids, rows, dep, active, score, s0, M, N, W, E, K,
-                       BW: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr):
-    """Tree `program_id(0)`: shapes as `push` (row-major; bool as int8). Each slot's E children are picked one at a
-    time, all slots at once: the largest log q left (NaN as +inf, the place torch's sort gives it), the earliest
-    candidate among equal ones."""
-    b = tl.program_id(0).to(tl.int64)
-    o_w, o_k = tl.arange(0, BW), tl.arange(0, BK)
-    m_w = o_w < W
-    m = m_w[:, None] & (o_k < K)[None, :]                                                      # [BW, BK]
-    v = tl.load(logq + (b * W + o_w[:, None]) * K + o_k[None, :], mask=m, other=0.)
-    key = tl.where(v != v, float("inf"), v)
-    taken = ~m
-    r = tl.load(rows + b * W + o_w, mask=m_w, other=0)                                         # [BW]
-    dp = tl.load(dep + b * W + o_w, mask=m_w, other=0)
-    act = tl.load(active + b * W + o_w, mask=m_w, other=0) != 0
-    sc = tl.load(score + b * W + o_w, mask=m_w, other=0.)
+                       BK: tl.constexpr, BF: tl.constexpr):
+    """Slot `program_id(1)` of tree `program_id(0)`: shapes as `push` (row-major; bool as int8). Its E children are
+    picked one at a time: the largest log q left (NaN as +inf, the place torch's sort gives it), the earliest
+    candidate among equal ones. Slot 0's program also marks the rows after all slots' children invalid."""
+    b, w = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    v = tl.load(logq + (b * W + w) * K + o_k, mask=m_k, other=0.)                               # [BK]
+    key = tl.where(m_k, tl.where(v != v, float("inf"), v), float("-inf"))
+    taken = ~m_k
+    r = tl.load(rows + b * W + w)
+    dp = tl.load(dep + b * W + w)
+    act = tl.load(active + b * W + w) != 0
+    sc = tl.load(score + b * W + w)
     for j in range(E):
-        mx = tl.max(tl.where(taken, float("-inf"), key), axis=1)                              # [BW]
-        c = tl.min(tl.where((key == mx[:, None]) & ~taken, o_k[None, :], BK), axis=1)         # [BW] the child's
-        hit = o_k[None, :] == c[:, None]
-        lq = tl.sum(tl.where(hit, v, 0.), axis=1).to(tl.float64)
-        tk = tl.load(cand_ids + r * K + c, mask=m_w, other=0)
+        mx = tl.max(tl.where(taken, float("-inf"), key), axis=0)
+        c = tl.min(tl.where((key == mx) & ~taken, o_k, BK), axis=0)                             # the child's column
+        hit = o_k == c
+        lq = tl.sum(tl.where(hit, v, 0.), axis=0).to(tl.float64)
+        tk = tl.load(cand_ids + r * K + c)
         taken = taken | hit
-        row = b * M + N + o_w * E + j                                                          # [BW]
-        tl.store(front_int + row * 3, s0 + o_w.to(tl.int64), mask=m_w)
-        tl.store(front_int + row * 3 + 1, tk, mask=m_w)
-        tl.store(front_int + row * 3 + 2, dp + 1, mask=m_w)
-        tl.store(front_flt + row * 2, tl.where(act & (lq > float("-inf")), sc + lq, float("-inf")), mask=m_w)
-        tl.store(front_flt + row * 2 + 1, lq, mask=m_w)
-    rest = N + W * E + tl.arange(0, BF)                                                        # the rows after them
-    tl.store(front_flt + (b * M + rest) * 2, tl.full([BF], float("-inf"), tl.float64), mask=rest < M)
+        row = b * M + N + w * E + j
+        tl.store(front_int + row * 3, s0 + w)
+        tl.store(front_int + row * 3 + 1, tk)
+        tl.store(front_int + row * 3 + 2, dp + 1)
+        tl.store(front_flt + row * 2, tl.where(act & (lq > float("-inf")), sc + lq, float("-inf")))
+        tl.store(front_flt + row * 2 + 1, lq)
+    if w == 0:
+        rest = N + W * E + tl.arange(0, BF)                                                    # the rows after them
+        tl.store(front_flt + (b * M + rest) * 2, tl.full([BF], float("-inf"), tl.float64), mask=rest < M)
 
 
 def push(front_int, front_flt, logq, cand_ids, rows, dep, active, score, s0: int, budget: int, expand: int) -> None:
@@ -147,6 +147,6 @@ def push(front_int, front_flt, logq, cand_ids, rows, dep, active, score, s0: int
         raise ValueError(f"push expects contiguous buffers on one device, 1 <= expand <= K, a candidate table "
                          f"[R, {K}] and budget + W * expand <= M; got budget {budget}, W {W}, expand {expand}, "
                          f"K {K}, M {M}")
-    weaver_push_kernel[(B,)](front_int, front_flt, logq, cand_ids, rows, dep, active.view(torch.int8), score, s0,
-                             M, budget, W, expand, K, BW=triton.next_power_of_2(W), BK=triton.next_power_of_2(K),
-                             BF=triton.next_power_of_2(max(M - budget, 1)), num_warps=4)
+    weaver_push_kernel[(B, W)](front_int, front_flt, logq, cand_ids, rows, dep, active.view(torch.int8), score, s0,
+                               M, budget, W, expand, K, BK=triton.next_power_of_2(K),
+                               BF=triton.next_power_of_2(max(M - budget, 1)), num_warps=2)

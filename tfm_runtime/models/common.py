@@ -39,6 +39,14 @@ class RMSNorm(nn.Module):
         y = self.weight * y.to(dt)
         return y + self.bias if self.bias is not None else y
 
+    def rows(self, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The norm of table[index] (an embedding lookup): table [V, D], index long [...] -> [..., D]; in CUDA
+        inference one launch of `tfm_kernels.rms_norm.rms_norm_rows`, reading the rows in place."""
+        if inference_kernel_ok(table, self.weight, self.bias):
+            from tfm_kernels.rms_norm import rms_norm_rows
+            return rms_norm_rows(table, index, self.weight, self.bias, self.eps)
+        return self(F.embedding(index, table))
+
     def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x + r (a block's output joining the residual stream) and its norm -> (sum, norm); in CUDA inference one
         launch of `tfm_kernels.rms_norm.add_rms_norm` with the same roundings."""

@@ -298,7 +298,7 @@ class Weaver(nn.Module):
         out_norm).
         """
         B, W = tokens.shape
-        x = self.token_in(self.embed_norm(F.embedding(tokens, embed_weight)))            # [B, W, r]
+        x = self.token_in(self.embed_norm.rows(embed_weight, tokens))                     # [B, W, r]
         cos, sin = self._node_rope(x.device, x.dtype)                                     # [lookahead+1, hd] each
         P, Nt = state.prefix_len, state.num_nodes
         if mask is None:

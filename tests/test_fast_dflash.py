@@ -83,6 +83,25 @@ def test_a_new_request_starts_from_an_empty_context():
         torch.testing.assert_close(a[0], b[0], atol=0, rtol=0)
 
 
+def test_fused_projections_share_the_drafter_s_weights(tmp_path):
+    """StaticDFlash runs each layer's q/k/v and gate/up as one GEMM on one tensor per group that the drafter's own
+    modules now view (no copy; a second StaticDFlash re-homes nothing), and the drafter still saves and loads the
+    same weights."""
+    drafter, embed, head = drafter_and_weights(False)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    static = StaticDFlash(drafter, embed, head, max_len=32)
+    for layer, (qkv, _, gate_up, _) in zip(drafter.layers, static.fused):
+        a, m = layer.self_attn, layer.mlp
+        assert a.q_proj.weight.data_ptr() == qkv.data_ptr()
+        assert a.v_proj.weight.data_ptr() == qkv.data_ptr() + (qkv.numel() - a.v_proj.weight.numel()) * 8
+        assert m.up_proj.weight.data_ptr() == gate_up.data_ptr() + m.gate_proj.weight.numel() * 8
+    assert StaticDFlash(drafter, embed, head, max_len=32).fused[1][0].data_ptr() == static.fused[1][0].data_ptr()
+    assert all(torch.equal(drafter.state_dict()[k], v) for k, v in before.items())
+    drafter.save_pretrained(str(tmp_path))
+    again = DFlashDrafter.from_pretrained(str(tmp_path), dtype=torch.float64)
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in before.items())
+
+
 def test_bad_sizes_are_refused():
     drafter, embed, head = drafter_and_weights(False)
     S = drafter.cfg.block_size

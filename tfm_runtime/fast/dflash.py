@@ -14,16 +14,18 @@ Slots at or past `length` hold stale K/V from padding rows or an earlier block: 
 queries can see before reading them, so the outputs equal the reference drafter's up to the order of float sums
 (the reference attends to the concatenated keys without a mask). F = n_taps * H, S = block size, L = S - 1.
 
-With `cuda_graphs` on CUDA, `extend` and `draft` replay graphs captured at construction; their outputs are static
-tensors, valid until the next call.
+Each layer's q, k, v projections run as one GEMM, and its MLP's gate and up as one: the drafter's modules are first
+given one tensor per group (`fast.dense.rehome_linears`; they keep working on views of it). With `cuda_graphs` on
+CUDA, `extend` and `draft` replay graphs captured at construction; their outputs are static tensors, valid until the
+next call.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from tfm_runtime.fast.dense import rope_into_cache
-from tfm_runtime.models.common import rope_cos_sin
+from tfm_runtime.fast.dense import fused_rows, rehome_linears, rope_into_cache
+from tfm_runtime.models.common import rope_cos_sin, silu_mul
 from tfm_runtime.models.dflash import DFlashDrafter
 
 
@@ -39,6 +41,16 @@ class StaticDFlash:
         p = next(drafter.parameters())
         self.drafter, self.cfg, self.device, self.dtype = drafter, cfg, p.device, p.dtype
         self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
+        # per layer: q/k/v weight [(nh + 2 Hkv) D, H] and bias (or None), gate/up weight [2 I, H] and bias
+        self.fused = []
+        for layer in drafter.layers:
+            a, m = layer.self_attn, layer.mlp
+            rehome_linears([a.q_proj, a.k_proj, a.v_proj])
+            rehome_linears([m.gate_proj, m.up_proj])
+            self.fused.append((fused_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                               fused_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+                               fused_rows([m.gate_proj.weight, m.up_proj.weight]),
+                               fused_rows([m.gate_proj.bias, m.up_proj.bias])))
         self.S = cfg.block_size
         self.slots = max_len + self.S
         dev, S = self.device, self.S
@@ -97,15 +109,25 @@ class StaticDFlash:
         """Context K/V of taps [n, F] at positions = slots [n], into those slots of every layer."""
         ctx = self.drafter.hidden_norm(self.drafter.fc(taps))                              # [n, H]
         for i, layer in enumerate(self.drafter.layers):
-            _, k, v = self._qkv(layer.self_attn, ctx, query=False)                         # [n, Hkv, D]
+            _, k, v = self._qkv(i, ctx, query=False)                                       # [n, Hkv, D]
             rope_into_cache(None, k, v, self.cos, self.sin, slots, slots, self.k[i, 0], self.v[i, 0])
 
-    def _qkv(self, att, h: torch.Tensor, query: bool = True):
-        """h [T, H] -> q [T, nh, D] (normed; None without `query`), k [T, Hkv, D] (normed), v [T, Hkv, D]: not yet
-        rotated."""
-        T, hd = h.shape[0], self.cfg.head_dim
-        q = att.q_norm(att.q_proj(h).view(T, -1, hd)) if query else None
-        return q, att.k_norm(att.k_proj(h).view(T, -1, hd)), att.v_proj(h).view(T, -1, hd)
+    def _qkv(self, i: int, h: torch.Tensor, query: bool = True):
+        """Layer i: h [T, H] -> q [T, nh, D] (normed; None without `query`), k [T, Hkv, D] (normed), v [T, Hkv, D]:
+        not yet rotated."""
+        cfg, att = self.cfg, self.drafter.layers[i].self_attn
+        T, hd, nh, nkv = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        w, b = self.fused[i][:2]
+        q, k, v = F.linear(h, w, b).split([nh * hd, nkv * hd, nkv * hd], dim=-1)             # [T, .] views
+        q = att.q_norm(q.view(T, nh, hd)) if query else None
+        return q, att.k_norm(k.view(T, nkv, hd)), v.view(T, nkv, hd)
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's SwiGLU MLP, gate and up from one GEMM: h [..., H] -> [..., H]."""
+        w, b = self.fused[i][2:]
+        gate, up = F.linear(h, w, b).chunk(2, dim=-1)                                       # [..., I] views
+        down = self.drafter.layers[i].mlp.down_proj
+        return F.linear(silu_mul(gate, up), down.weight, down.bias)
 
     def _extend(self) -> None:
         self._write(self.taps_in, self.length + self.ar_block)
@@ -121,7 +143,7 @@ class StaticDFlash:
         h = layers[0].input_layernorm(x)                                                   # [1, S, H]
         for i, layer in enumerate(layers):
             att = layer.self_attn
-            q, k, v = self._qkv(att, h[0])                                                 # [S, heads, D]
+            q, k, v = self._qkv(i, h[0])                                                   # [S, heads, D]
             q, _ = rope_into_cache(q, k, v, self.cos, self.sin, pos, pos, self.k[i, 0], self.v[i, 0])
             q = q.transpose(0, 1)[None]                                                    # [1, nh, S, D]
             mask = seen
@@ -132,7 +154,7 @@ class StaticDFlash:
             # each residual add with the norm after it (in CUDA inference one launch each, the same roundings)
             x, h = layer.post_attention_layernorm.add(x, att.o_proj(o.transpose(1, 2).reshape(1, S, nh * hd)))
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.drafter.norm
-            x, h = nxt.add(x, layer.mlp(h))
+            x, h = nxt.add(x, self._mlp(i, h))
         hidden = h[0, 1:]                                                                  # [L, H] final norm
         return hidden @ self.lm_head_weight.T, hidden
 

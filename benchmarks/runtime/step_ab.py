@@ -1,6 +1,6 @@
 """A/B of the fast runtime's step costs: this checkout against another (an earlier revision), on one GPU, alternating.
 
-    git worktree add /tmp/base <rev>        # or: mkdir /tmp/base && git archive <rev> tfm_runtime tfm_kernels | tar -x -C /tmp/base
+    git worktree add /tmp/base <rev>   # or: git archive <rev> tfm_runtime tfm_kernels | tar -x -C /tmp/base
     python -m benchmarks.runtime.step_ab --base /tmp/base --base-rev <rev> --out benchmarks/results/step_ab_h100.json
 
 Each code runs in its own process (its `tfm_runtime` and `tfm_kernels` first on PYTHONPATH), `--runs` times in turn,

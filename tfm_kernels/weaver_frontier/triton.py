@@ -1,5 +1,6 @@
 """The frontier steps of the shape-static Weaver tree build, each in one launch (Triton): `place` one program per
-tree, `push` one per expanded slot. The build runs both once per round, in sixteen or more sequential rounds, where launches are most of the time.
+tree, `push` one per expanded slot. The build runs both once per round, in sixteen or more sequential rounds, where
+launches are most of the time.
 
 `place` does what `ref.place_ref` does in a sort and about twenty-five torch launches: rank the frontier (each
 entry's rank in a stable sort of the scores, descending, counted: the entries that go before it), read the `width`

@@ -2,9 +2,10 @@
 
 The weights come from a Hugging Face causal LM's state dict (shared with it, not copied) or from a safetensors
 folder. The projections one input feeds run as one GEMM each (q, k and v; gate and up): `from_hf` first gives each
-group one tensor, the HF modules' weights becoming views of it (`rehome_linears`), so nothing is copied. The KV cache is preallocated to `max_seq_len` slots and kept on the object. Every entry point has shapes
-that depend only on its inputs' sizes and `max_seq_len`, never on how much of the cache is committed, so each one
-can be captured in a CUDA graph (`start` / `pos` may be device tensors):
+group one tensor, the HF modules' weights becoming views of it (`rehome_linears`), so nothing is copied. The KV
+cache is preallocated to `max_seq_len` slots and kept on the object. Every entry point has shapes that depend only
+on its inputs' sizes and `max_seq_len`, never on how much of the cache is committed, so each one can be captured in
+a CUDA graph (`start` / `pos` may be device tensors):
 
     prefill(tokens [T])                        slots and positions 0..T-1
     decode(token [1], pos [1])                 one token at slot and position `pos`

@@ -16,6 +16,9 @@
 #                              (results named by the GPU when committed)
 #   STEP=4 carry .carry        the acceptance bench (ACC_S seconds); STEP=5: weaver_width over expand 8 / 16 / 32 at
 #                              T = 0 and 1
+#   STEP=7 carry .whl .carry   step_ab: this tree's step costs against .carry/base (made here first:
+#                              mkdir -p .carry/base && git archive <rev> tfm_runtime tfm_kernels | tar -x -C .carry/base;
+#                              BASE_REV=<rev>), ~2 min, no target needed
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; T0=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -82,5 +85,8 @@ case ${STEP:-1} in
     done
     grep -E "^\|" "$OUT/width.log" | cut -c1-200 ;;
 4)  acc "$(left ${ACC_S:-570})" ;;
+7)  python3 -m benchmarks.gpu.wheels /root/site transformers >"$OUT/wheels.log" 2>&1 || cat "$OUT/wheels.log"
+    timeout "$(left 500)" python3 -m benchmarks.runtime.step_ab --base .carry/base --base-rev "${BASE_REV:-}" \
+      --out "$OUT/step_ab.json" 2>&1 | tail -8 ;;
 esac
 echo "step ${STEP:-1} done ($(( $(date +%s) - T0 )) s)"

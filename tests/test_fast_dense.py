@@ -14,7 +14,7 @@ from tfm_runtime.fast.graphs import pad_tree
 from tfm_runtime.fast.weaver_tree import ancestor_masks, weaver_tree_rounds
 from tfm_runtime.models.tree_target import TreeVerifier
 from tfm_runtime.tree import Tree
-from tfm_runtime.verify import verify_greedy
+from tfm_runtime.verify import greedy_path, verify_greedy, verify_greedy_best
 from tfm_runtime.worlds import tiny_world
 
 DENSE = ("llama", "qwen3")
@@ -201,13 +201,21 @@ def test_profiled_stages_and_the_one_host_read(small_worlds):
     trees = plain.weaver_builder.result
     want = trees.tree(0)
     logits = torch.randn(want.num_nodes, 8)                               # the verify of the unpadded tree
-    tree, best, truncated = FastDecoder._host_tree(trees, logits)
+    for i in range(want.num_nodes):                                       # the target agrees with each node's
+        if want.children(i):                                              # first child: a path to a leaf
+            logits[i, int(want.tokens[want.children(i)[0]])] = 10.0
+    packed = FastDecoder._pack(trees, logits)
+    tree, best, truncated = FastDecoder._unpack(packed)
     assert truncated == bool(trees.truncated[0])
     for k in ("tokens", "parents", "depths", "draft_logprobs"):
         assert torch.equal(getattr(tree, k), getattr(want, k)), k
     assert tree.draft_logprobs.dtype == torch.float64
     assert best.tolist() == logits.argmax(-1)[:want.num_nodes].tolist()
-    assert FastDecoder._host_tree(trees, None)[1] is None
+    assert FastDecoder._unpack(FastDecoder._pack(trees, None))[1] is None
+    # the greedy path the decoder reads off the packed ids before it builds the Tree: the verifier's
+    n = want.num_nodes
+    path = greedy_path(packed[0, :n].tolist(), packed[1, :n].tolist(), packed[5, :n].tolist())
+    assert path == verify_greedy_best(tree, best) and len(path[0]) > 2 and not tree.children(path[0][-1])
 
 
 @pytest.mark.parametrize("proposal,verification", [("chain", "chain_sampling"), ("ddtree", "target_only"),

@@ -76,9 +76,18 @@ def verify_greedy_best(tree: Tree, best: torch.Tensor) -> tuple[list[int], int]:
     only N ids travel to the host)."""
     if best.shape != (tree.num_nodes,):
         raise ValueError(f"best must be [N] with N = {tree.num_nodes} nodes, got shape {tuple(best.shape)}")
-    best, tokens = best.tolist(), tree.tokens.tolist()
+    return greedy_path(tree.tokens.tolist(), tree.parents.tolist(), best.tolist())
+
+
+def greedy_path(tokens: list[int], parents: list[int], best: list[int]) -> tuple[list[int], int]:
+    """`verify_greedy_best` on plain lists (a tree's tokens and parents, node 0 the root, parents before children;
+    best: the target's argmax per node), for a caller that validates its `Tree` later: the accepted node ids, root
+    first, and the bonus token."""
+    children: dict[tuple[int, int], int] = {}
+    for i in range(len(tokens) - 1, 0, -1):               # the first child with a token wins, as in `Tree.children`
+        children[(parents[i], tokens[i])] = i
     accepted = [0]
-    while (child := _child_with_token(tree, tokens, accepted[-1], best[accepted[-1]])) is not None:
+    while (child := children.get((accepted[-1], best[accepted[-1]]))) is not None:
         accepted.append(child)
     return accepted, best[accepted[-1]]
 

@@ -5,7 +5,8 @@
            (shape-static builders on the device, no host reads until after the verify; sampled chains: reference)
            DenseModel.verify_tree: one pass writing the nodes' K/V after the committed prefix
            lossless verification (the reference rules) -> accepted path + bonus    (the one host sync; at T = 0
-           only the nodes' argmax ids travel)
+           only the nodes' argmax ids travel, and the path is read off them: the host `Tree` is built and
+           checked after the commit is launched, not while the device waits)
            commit (`_commit_ops`; with CUDA graphs one replay per round): the accepted nodes' K/V move into place
            (hybrid: the GDN states after the leaf), DFlash extends its context with their taps, the next round's
            bonus, committed length and h_last stay on the device (the path and bonus: one host-to-device copy)
@@ -31,7 +32,7 @@ from tfm_runtime.models.dflash import DFlashDrafter
 from tfm_runtime.models.weaver import Weaver
 from tfm_runtime.sampling import filter_probs
 from tfm_runtime.tree import Tree
-from tfm_runtime.verify import verify_greedy_best
+from tfm_runtime.verify import greedy_path, verify_greedy_best
 
 
 class FastDecoder:
@@ -193,19 +194,24 @@ class FastDecoder:
                 trees, nodes = self._static_tree(static, root, draft_logits, draft_hidden, h_last)
             t = self._tick(stats, "tree", t)
             out = runner.verify_tree(*nodes, self.start_dev)
-            best = None
+            packed = None
             if tree is None:                                  # the tree on the host, for the verify rules
                 greedy = rule == "greedy"                     # the argmax travels with the tree
-                tree, best, truncated = self._read_tree(trees, out.logits if greedy else None)
-                if truncated and self._deferred(static):      # rare: the Weaver tree needs its second phase
+                packed = self._read_packed(trees, out.logits if greedy else None)
+                if bool(packed[4, 1]) and self._deferred(static):   # rare: the Weaver tree needs its second phase
                     trees = static.finish()
                     out = runner.verify_tree(*self._nodes(trees), self.start_dev)
-                    tree, best, _ = self._read_tree(trees, out.logits if greedy else None)
+                    packed = self._read_packed(trees, out.logits if greedy else None)
+                if not greedy:
+                    tree, _, _ = self._unpack(packed)
             t = self._tick(stats, "verify", t)
             if rule == "greedy":
-                if best is None:
-                    best = out.logits[:tree.num_nodes].argmax(-1).cpu()
-                accepted, bonus = verify_greedy_best(tree, best)
+                if tree is None:                              # the path from the packed ids; the Tree (checked)
+                    n = int(packed[4, 0])                     # after the commit is launched
+                    accepted, bonus = greedy_path(packed[0, :n].tolist(), packed[1, :n].tolist(),
+                                                  packed[5, :n].tolist())
+                else:
+                    accepted, bonus = verify_greedy_best(tree, out.logits[:tree.num_nodes].argmax(-1).cpu())
             else:
                 accepted, bonus = self._verify(rule, tree, out.logits[:tree.num_nodes].cpu(), draft_probs,
                                                temperature, top_k, top_p, generator)
@@ -221,6 +227,8 @@ class FastDecoder:
                 self._commit_ops(out, A)
             if isinstance(runner, GraphedTarget):
                 runner.committed()
+            if tree is None:
+                tree, _, _ = self._unpack(packed)
             start += A
             new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]
             stats.accept_lengths.append(len(accepted))
@@ -336,21 +344,16 @@ class FastDecoder:
                     draft_logprobs=host[3, :n].view(torch.float64))
         return tree, (host[5, :n] if host.shape[0] > 5 else None), bool(truncated)
 
-    @staticmethod
-    def _host_tree(trees, logits: torch.Tensor | None) -> tuple[Tree, torch.Tensor | None, bool]:
-        """Row 0 of `trees` as a host Tree, the target's argmax per node [num_nodes] given the verify's logits
-        (else None), and whether the tree is `truncated`: one device-to-host copy."""
-        return FastDecoder._unpack(FastDecoder._pack(trees, logits).cpu())
-
-    def _read_tree(self, trees, logits: torch.Tensor | None) -> tuple[Tree, torch.Tensor | None, bool]:
-        """`_host_tree`; with padded trees from captured builders and the verify graph's logits (fixed buffers),
-        the packing replays a CUDA graph of its own (eagerly it takes about seven launches)."""
+    def _read_packed(self, trees, logits: torch.Tensor | None) -> torch.Tensor:
+        """`_pack`'s tensor on the host (the step's one device-to-host copy); with padded trees from captured
+        builders and the verify graph's logits (fixed buffers), the packing replays a CUDA graph of its own (eagerly
+        it takes about seven launches)."""
         fixed = self.pad_trees and self.capture_trees and (
             logits is None or logits.data_ptr() == self._padded_out().logits.data_ptr())
         if not fixed:
-            return self._host_tree(trees, logits)
+            return self._pack(trees, logits).cpu()
         key = ("pack", trees.tokens.data_ptr(), 0 if logits is None else logits.data_ptr())
-        return self._unpack(self._replayed(key, lambda: self._pack(trees, logits)).cpu())   # [5 or 6, N+1]
+        return self._replayed(key, lambda: self._pack(trees, logits)).cpu()                 # [5 or 6, N+1]
 
     @torch.no_grad()
     def generate_autoregressive(self, prompt_ids, max_new_tokens: int = 256,

@@ -26,7 +26,7 @@ def buffers(seed, B, N, W, E, R, filled):
     count = torch.tensor([filled, N + 1 - 1, N + 1][:B])                                    # room for all, 1, none
     visible = (torch.rand(B, S, 3 + S, generator=g) < 0.3)[:, :, 3:]                      # rows apart, as the builder's
     out = (torch.full((B, W), 7), torch.full((B, W), 7), torch.zeros(B, W).double(),
-           torch.zeros(B, W, dtype=torch.bool))
+           torch.zeros(B, W, dtype=torch.bool), torch.full((B, W), 7))
     return [front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, out]
 
 
@@ -36,8 +36,10 @@ def check(N, W, E, R, device):
             s0, expand = 1 + (r - 1) * W, r < R
             a, b = (buffers(seed * 100 + r, 3, N, W, E, R, filled=min(r, N)) for _ in range(2))
             b = [t.to(device) for t in b[:-1]] + [tuple(t.to(device) for t in b[-1])]
-            place_ref(*a, s0=s0, budget=N, lookahead=5, expand=expand)
-            place(*b, s0=s0, budget=N, lookahead=5, expand=expand)
+            place_ref(*a, s0=s0, budget=N, lookahead=5, expand=expand, rows_per_tree=6)
+            place(*b, s0=s0, budget=N, lookahead=5, expand=expand, rows_per_tree=6)
+            tok, dep, _, _, row = a[-1]                       # each slot's candidate row of its depth
+            assert torch.equal(row, torch.arange(3)[:, None] * 6 + dep)
             for x, y in zip(a[:-1] + list(a[-1]), b[:-1] + list(b[-1])):
                 assert torch.equal(x, y.cpu())
 
@@ -108,10 +110,10 @@ def test_gpu_push_equals_the_reference():
 def test_bad_buffers():
     bufs = buffers(0, 3, 8, 2, 4, 4, 1)
     with pytest.raises(ValueError, match="place expects"):
-        place(*bufs, s0=1 + 3 * 2, budget=8, lookahead=5, expand=True)                  # the last round expands
+        place(*bufs, s0=1 + 3 * 2, budget=8, lookahead=5, expand=True, rows_per_tree=6)   # the last round expands
     bufs[7] = bufs[7].transpose(1, 2)
     with pytest.raises(ValueError, match="place expects"):
-        place(*bufs, s0=1, budget=8, lookahead=5, expand=True)                          # not contiguous
+        place(*bufs, s0=1, budget=8, lookahead=5, expand=True, rows_per_tree=6)         # not contiguous
     bufs, _ = push_case(0, 2, 8, 2, 3, 4, 5, "cpu")                                    # 3 slots, room for 2
     with pytest.raises(ValueError, match="push expects"):
         push(*bufs, s0=1, budget=8, expand=4)

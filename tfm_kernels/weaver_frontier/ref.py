@@ -6,7 +6,7 @@ import torch
 
 
 def place_ref(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, out, s0: int,
-              budget: int, lookahead: int, expand: bool) -> None:
+              budget: int, lookahead: int, expand: bool, rows_per_tree: int) -> None:
     """Rank the frontier, place its `width` best entries into slots s0 .. s0+width-1 and keep the next `budget`, in
     place.
 
@@ -15,10 +15,11 @@ def place_ref(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count
     slot_flt [B, P, 2], slot_placed [B, P] bool: the placement slots; count [B] long: nodes placed so far;
     visible [B, S, S] bool: row s, the slots of the node in slot s's ancestors and itself (rows s0.. written when
     `expand`: the slot's parent's row, the parent, and the slot itself; only itself where the slot does not expand);
-    out = (tok, dep [B, W] long, score [B, W] f64, active [B, W] bool): the slots' token and depth (0 where not
-    active), score, and whether the slot is a node at a depth < lookahead (it expands in the next Weaver step).
+    out = (tok, dep [B, W] long, score [B, W] f64, active [B, W] bool, row [B, W] long): the slots' token and depth
+    (0 where not active), score, whether the slot is a node at a depth < lookahead (it expands in the next Weaver
+    step), and the row of that depth in a candidate table of `rows_per_tree` rows per tree (b * rows_per_tree + dep).
     """
-    tok, dep, score, active = out
+    tok, dep, score, active, row = out
     B, W = tok.shape
     N, S = budget, visible.shape[-1]
     perm.copy_(torch.sort(front_flt[:, :, 0], dim=1, descending=True, stable=True).indices)   # [B, M]
@@ -45,6 +46,7 @@ def place_ref(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count
     dep.copy_(torch.where(act, ints[..., 2], 0))
     score.copy_(flts[..., 0])
     active.copy_(act)
+    row.copy_(torch.arange(B, device=tok.device)[:, None] * rows_per_tree + dep)
 
 
 def push_ref(front_int, front_flt, logq, cand_ids, rows, dep, active, score, s0: int, budget: int,

@@ -18,7 +18,7 @@ import triton.language as tl
 
 @triton.jit
 def weaver_place_kernel(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, vis_sb, vis_sr,
-                        tok, dep, score, active, s0, M, P, S, W, N, LOOKAHEAD, EXPAND,
+                        tok, dep, score, active, row, s0, M, P, S, W, N, LOOKAHEAD, EXPAND, ROWS_PER_TREE,
                         BW: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr):
     """Tree `program_id(0)`: shapes as `place` (row-major buffers but `visible`: strides vis_sb, vis_sr, 1; bool as
     int8)."""
@@ -79,16 +79,17 @@ def weaver_place_kernel(front_int, front_flt, perm, slot_int, slot_flt, slot_pla
     tl.store(dep + b * W + o_w, tl.where(act, dp, 0), mask=m_w)
     tl.store(score + b * W + o_w, sc, mask=m_w)
     tl.store(active + b * W + o_w, act.to(tl.int8), mask=m_w)
+    tl.store(row + b * W + o_w, b * ROWS_PER_TREE + tl.where(act, dp, 0), mask=m_w)
 
 
 def place(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, visible, out, s0: int, budget: int,
-          lookahead: int, expand: bool) -> None:
+          lookahead: int, expand: bool, rows_per_tree: int) -> None:
     """`ref.place_ref` in one launch (arguments and shapes as there; every tensor contiguous, on one device, but
     `visible` may be a view with rows apart: its last dim contiguous)."""
-    tok, dep, score, active = out
+    tok, dep, score, active, row = out
     B, W = tok.shape
     M, P, S = front_int.shape[1], slot_int.shape[1], visible.shape[-1]
-    ts = (front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, tok, dep, score, active)
+    ts = (front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, tok, dep, score, active, row)
     if (not all(t.is_contiguous() and t.device == tok.device for t in ts) or W + budget > M or s0 + W > P
             or (expand and s0 + W > S) or visible.stride(-1) != 1 or visible.device != tok.device):
         raise ValueError("place expects contiguous buffers on one device (visible: its last dim), width + budget <= "
@@ -96,8 +97,8 @@ def place(front_int, front_flt, perm, slot_int, slot_flt, slot_placed, count, vi
                          f"P {P}, S {S}")
     as_i8 = [t.view(torch.int8) for t in (slot_placed, visible, active)]
     weaver_place_kernel[(B,)](front_int, front_flt, perm, slot_int, slot_flt, as_i8[0], count, as_i8[1],
-                              visible.stride(0), visible.stride(1), tok, dep, score, as_i8[2], s0, M, P, S, W,
-                              budget, lookahead, int(expand),
+                              visible.stride(0), visible.stride(1), tok, dep, score, as_i8[2], row, s0, M, P, S, W,
+                              budget, lookahead, int(expand), rows_per_tree,
                               BW=triton.next_power_of_2(W), BN=triton.next_power_of_2(budget),
                               BS=triton.next_power_of_2(S), BM=triton.next_power_of_2(M),
                               BJ=min(32, triton.next_power_of_2(M)), num_warps=4)

@@ -60,7 +60,8 @@ R rounds, S = 1 + (R-1) Wd K/V slots, P = 1 + R Wd placement slots, M = N + Wd E
     count                   [B] long            nodes placed so far (root included)
     perm                    [B, M] long         scratch: perm[b, k] = the frontier entry of rank k
     cand_logits             [B, L, K] >= fp32   the input's candidate logits in the scoring's dtype
-    placed_out              4 x [B, Wd]         one round's slots: token, depth (0 where not active), score, active
+    placed_out              5 x [B, Wd]         one round's slots: token, depth (0 where not active), score, active,
+                                                and the candidate row of that depth (b * L + depth)
     tokens, parents, depths [B, N+2] long       output nodes (column N+1 collects the writes of unplaced slots)
     draft_logprobs          [B, N+2] float64    output log q (root 0)
     num_nodes               [B] long            nodes per tree (<= N+1)
@@ -184,7 +185,8 @@ class StaticWeaverTreeBuilder:
         self.truncated = torch.zeros(B, device=dev, dtype=torch.bool)           # [B]
         # constants
         self.placed_out = (torch.zeros(B, Wd, **long), torch.zeros(B, Wd, **long),
-                           torch.zeros(B, Wd, **f64), torch.zeros(B, Wd, device=dev, dtype=torch.bool))
+                           torch.zeros(B, Wd, **f64), torch.zeros(B, Wd, device=dev, dtype=torch.bool),
+                           torch.zeros(B, Wd, **long))
         self.fused_frontier = dev.type == "cuda"                # the frontier steps in one Triton launch each
         self.root_depth = torch.zeros(B, 1, **long)                             # [B, 1]
         self.root_active = torch.ones(B, 1, device=dev, dtype=torch.bool)       # [B, 1]
@@ -290,18 +292,18 @@ class StaticWeaverTreeBuilder:
         h = self.weaver.step(self.state, root, self.root_depth, None, self.embed_weight,
                              mask=self._step_mask(0, 1))                       # [B, 1, r]
         self.cand_logits.copy_(cand_logits)
-        self._push(h, 0, self.root_depth, self.root_active, self.root_score, cand_ids)
+        self._push(h, 0, self.root_depth, self.root_active, self.root_score, cand_ids, self.row_base)
 
     def _rounds(self, first: int, last: int, cand_ids) -> None:
         """Rounds first..last (each a fixed op sequence), then finish: node rows and `truncated`."""
         Wd, R = self.width, self.rounds
         for r in range(first, last + 1):
             s0 = 1 + (r - 1) * Wd                                              # first placement slot of round r
-            tok, dep, score, active = self._place(s0, expand=r < R)            # [B, Wd] each
+            tok, dep, score, active, rows = self._place(s0, expand=r < R)      # [B, Wd] each
             if r < R:
                 h = self.weaver.step(self.state, tok, dep, None, self.embed_weight,
                                      mask=self._step_mask(s0, Wd))             # [B, Wd, r]
-                self._push(h, s0, dep, active, score, cand_ids)
+                self._push(h, s0, dep, active, score, cand_ids, rows)
         self._finish(active if last == R else None)
 
     def _step_mask(self, s0: int, width: int) -> torch.Tensor:
@@ -309,16 +311,16 @@ class StaticWeaverTreeBuilder:
         (the prefix, the slots' ancestors, each slot itself; no launch)."""
         return self.mask[:, s0: s0 + width, : self.state.prefix_len + s0 + width][:, None]
 
-    def _push(self, h, s0: int, dep, active, score, cand_ids) -> None:
+    def _push(self, h, s0: int, dep, active, score, cand_ids, rows) -> None:
         """Children of the W slots of one step into frontier rows N .. N+Wd*E-1: each slot's log q over the
         candidates of its depth (read in place from the [B * L, K] tables), then its top-E (`top_children`'s order)
         as children, in one launch of `tfm_kernels.weaver_frontier` on CUDA.
 
         h [B, W, r]; dep [B, W] long (< L: a slot at depth L does not expand and has depth 0 here); active [B, W]
-        bool (the slot is a node that expands); score [B, W] f64.
+        bool (the slot is a node that expands); score [B, W] f64; rows [B, W] long: each slot's candidate row
+        b * L + depth (written by `_place`).
         """
         K = self.K
-        rows = dep + self.row_base                                             # [B, W] candidate row b * L + depth
         ids = cand_ids.reshape(-1, K)                                          # [B * L, K]
         logq = self.weaver.score(h, ids, self.cand_logits.view(-1, K), self.lm_head_weight, rows=rows)  # [B, W, K]
         push = fused_push if self.fused_frontier else push_ref
@@ -331,10 +333,11 @@ class StaticWeaverTreeBuilder:
         `tfm_kernels.weaver_frontier` on CUDA (ranking included; as `_push`), its torch reference elsewhere.
 
         Returns the slots' token and depth [B, Wd] long (0, padding, where the slot does not expand), score [B, Wd]
-        f64 and active [B, Wd] bool (placed at a depth that still has a candidate row: it expands next step)."""
+        f64, active [B, Wd] bool (placed at a depth that still has a candidate row: it expands next step) and the
+        candidate row of that depth [B, Wd] long (b * L + depth)."""
         place = fused_place if self.fused_frontier else place_ref
         place(self.front_int, self.front_flt, self.perm, self.slot_int, self.slot_flt, self.slot_placed, self.count,
-              self.visible, self.placed_out, s0, self.budget, self.L, expand)
+              self.visible, self.placed_out, s0, self.budget, self.L, expand, self.L_in)
         return self.placed_out
 
     def _finish(self, last_active) -> None:

@@ -14,7 +14,7 @@ from tfm_runtime.fast.graphs import pad_tree
 from tfm_runtime.fast.weaver_tree import ancestor_masks, weaver_tree_rounds
 from tfm_runtime.models.tree_target import TreeVerifier
 from tfm_runtime.tree import Tree
-from tfm_runtime.verify import greedy_path, verify_greedy, verify_greedy_best
+from tfm_runtime.verify import verify_greedy, verify_greedy_best
 from tfm_runtime.worlds import tiny_world
 
 DENSE = ("llama", "qwen3")
@@ -213,9 +213,9 @@ def test_profiled_stages_and_the_one_host_read(small_worlds):
     assert best.tolist() == logits.argmax(-1)[:want.num_nodes].tolist()
     assert FastDecoder._unpack(FastDecoder._pack(trees, None))[1] is None
     # the greedy path the decoder reads off the packed ids before it builds the Tree: the verifier's
-    n = want.num_nodes
-    path = greedy_path(packed[0, :n].tolist(), packed[1, :n].tolist(), packed[5, :n].tolist())
+    path = FastDecoder._greedy_path(packed)
     assert path == verify_greedy_best(tree, best) and len(path[0]) > 2 and not tree.children(path[0][-1])
+    assert FastDecoder._truncated(packed) == truncated
 
 
 @pytest.mark.parametrize("proposal,verification", [("chain", "chain_sampling"), ("ddtree", "target_only"),

@@ -198,7 +198,7 @@ class FastDecoder:
             if tree is None:                                  # the tree on the host, for the verify rules
                 greedy = rule == "greedy"                     # the argmax travels with the tree
                 packed = self._read_packed(trees, out.logits if greedy else None)
-                if bool(packed[4, 1]) and self._deferred(static):   # rare: the Weaver tree needs its second phase
+                if self._truncated(packed) and self._deferred(static):   # rare: the Weaver tree needs its 2nd phase
                     trees = static.finish()
                     out = runner.verify_tree(*self._nodes(trees), self.start_dev)
                     packed = self._read_packed(trees, out.logits if greedy else None)
@@ -206,10 +206,8 @@ class FastDecoder:
                     tree, _, _ = self._unpack(packed)
             t = self._tick(stats, "verify", t)
             if rule == "greedy":
-                if tree is None:                              # the path from the packed ids; the Tree (checked)
-                    n = int(packed[4, 0])                     # after the commit is launched
-                    accepted, bonus = greedy_path(packed[0, :n].tolist(), packed[1, :n].tolist(),
-                                                  packed[5, :n].tolist())
+                if tree is None:                              # the Tree is built (and checked) after the commit
+                    accepted, bonus = self._greedy_path(packed)
                 else:
                     accepted, bonus = verify_greedy_best(tree, out.logits[:tree.num_nodes].argmax(-1).cpu())
             else:
@@ -343,6 +341,18 @@ class FastDecoder:
         tree = Tree(tokens=host[0, :n], parents=host[1, :n], depths=host[2, :n],
                     draft_logprobs=host[3, :n].view(torch.float64))
         return tree, (host[5, :n] if host.shape[0] > 5 else None), bool(truncated)
+
+    @staticmethod
+    def _truncated(host: torch.Tensor) -> bool:
+        """`_pack`'s tensor, on the host -> whether the tree is `truncated`."""
+        return bool(host[4, 1])
+
+    @staticmethod
+    def _greedy_path(host: torch.Tensor) -> tuple[list[int], int]:
+        """`_pack`'s tensor with the argmax row, on the host -> the greedy verifier's accepted node ids and bonus,
+        read off the ids without building the `Tree`."""
+        n = int(host[4, 0])
+        return greedy_path(host[0, :n].tolist(), host[1, :n].tolist(), host[5, :n].tolist())
 
     def _read_packed(self, trees, logits: torch.Tensor | None) -> torch.Tensor:
         """`_pack`'s tensor on the host (the step's one device-to-host copy); with padded trees from captured

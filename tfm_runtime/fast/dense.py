@@ -2,7 +2,7 @@
 
 The weights come from a Hugging Face causal LM's state dict (shared with it, not copied) or from a safetensors
 folder. The projections one input feeds run as one GEMM each (q, k and v; gate and up): `from_hf` first gives each
-group one tensor, the HF modules' weights becoming views of it (`rehome_linears`), so nothing is copied. The KV
+group one tensor, the HF modules' weights becoming views of it (`rehome_model`), so nothing is copied. The KV
 cache is preallocated to `max_seq_len` slots and kept on the object. Every entry point has shapes that depend only
 on its inputs' sizes and `max_seq_len`, never on how much of the cache is committed, so each one can be captured in
 a CUDA graph (`start` / `pos` may be device tensors):
@@ -250,6 +250,19 @@ def rehome_linears(linears) -> None:
             start += p.shape[0]
 
 
+# the projections one input feeds, by module name (Hugging Face targets and our drafters alike): one GEMM each
+FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def rehome_model(model: torch.nn.Module) -> None:
+    """`rehome_linears` for every module of `model` that holds a FUSED_LINEARS group of nn.Linear."""
+    for module in model.modules():
+        for names in FUSED_LINEARS:
+            group = [getattr(module, n, None) for n in names]
+            if all(isinstance(g, torch.nn.Linear) for g in group):
+                rehome_linears(group)
+
+
 def _back_to_back(parts: list[torch.Tensor]) -> bool:
     """Contiguous tensors of one dtype, device and row shape, lying in order one after the other in one storage."""
     first, offset = parts[0], parts[0].storage_offset()
@@ -271,8 +284,6 @@ class DenseModel:
     """
 
     config_class = DenseConfig              # what from_hf / from_pretrained read the HF config into
-    # Hugging Face modules whose projections one GEMM computes (from_hf gives each group one tensor)
-    FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
     def __init__(self, cfg: DenseConfig, state: dict[str, torch.Tensor], tap_layer_ids=(), *,
                  max_seq_len: int = 2048, attention: str = "auto"):
@@ -296,17 +307,13 @@ class DenseModel:
     def from_hf(cls, model, tap_layer_ids=(), **kw) -> "DenseModel":
         """From a Hugging Face *ForCausalLM (or a TargetModel, whose tap layers are then the default); the tensors
         are the model's own (no copy): the projections of each FUSED_LINEARS group are first re-homed into one
-        tensor (`rehome_linears`), which the model keeps using as views."""
+        tensor (`rehome_model`), which the model keeps using as views."""
         from tfm_runtime.models.target import TargetModel
         if isinstance(model, TargetModel):
             tap_layer_ids = tap_layer_ids or model.tap_layer_ids
             model = model.model
         cfg = cls.config_class.from_hf(model.config)
-        for module in model.modules():
-            for names in cls.FUSED_LINEARS:
-                group = [getattr(module, n, None) for n in names]
-                if all(isinstance(g, torch.nn.Linear) for g in group):
-                    rehome_linears(group)
+        rehome_model(model)
         return cls(cfg, dict(model.state_dict()), tap_layer_ids, **kw)
 
     @classmethod

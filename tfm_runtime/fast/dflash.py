@@ -15,7 +15,7 @@ queries can see before reading them, so the outputs equal the reference drafter'
 (the reference attends to the concatenated keys without a mask). F = n_taps * H, S = block size, L = S - 1.
 
 Each layer's q, k, v projections run as one GEMM, and its MLP's gate and up as one: the drafter's modules are first
-given one tensor per group (`fast.dense.rehome_linears`; they keep working on views of it). With `cuda_graphs` on
+given one tensor per group (`fast.dense.rehome_model`; they keep working on views of it). With `cuda_graphs` on
 CUDA, `extend` and `draft` replay graphs captured at construction; their outputs are static tensors, valid until the
 next call.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tfm_runtime.fast.dense import fused_rows, rehome_linears, rope_into_cache
+from tfm_runtime.fast.dense import fused_rows, rehome_model, rope_into_cache
 from tfm_runtime.models.common import rope_cos_sin, silu_mul
 from tfm_runtime.models.dflash import DFlashDrafter
 
@@ -42,11 +42,10 @@ class StaticDFlash:
         self.drafter, self.cfg, self.device, self.dtype = drafter, cfg, p.device, p.dtype
         self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
         # per layer: q/k/v weight [(nh + 2 Hkv) D, H] and bias (or None), gate/up weight [2 I, H] and bias
+        rehome_model(drafter)
         self.fused = []
         for layer in drafter.layers:
             a, m = layer.self_attn, layer.mlp
-            rehome_linears([a.q_proj, a.k_proj, a.v_proj])
-            rehome_linears([m.gate_proj, m.up_proj])
             self.fused.append((fused_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                                fused_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
                                fused_rows([m.gate_proj.weight, m.up_proj.weight]),

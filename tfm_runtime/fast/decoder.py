@@ -6,7 +6,7 @@
            DenseModel.verify_tree: one pass writing the nodes' K/V after the committed prefix
            lossless verification (the reference rules) -> accepted path + bonus    (the one host sync; at T = 0
            only the nodes' argmax ids travel, and the path is read off them: the host `Tree` is built and
-           checked after the commit is launched, not while the device waits)
+           checked in the next round, while the device drafts, builds and verifies)
            commit (`_commit_ops`; with CUDA graphs one replay per round): the accepted nodes' K/V move into place
            (hybrid: the GDN states after the leaf), DFlash extends its context with their taps, the next round's
            bonus, committed length and h_last stay on the device (the path and bonus: one host-to-device copy)
@@ -181,6 +181,7 @@ class FastDecoder:
         # chains sampled from DFlash (chain_sampling) come from the reference builder, with its random draws
         static = self.weaver_builder or self.ddtree_builder or (self.chain_builder if rule != "chain_sampling"
                                                                 else None)
+        unchecked = None                # T = 0, static builders: the last round's packed tree, checked a round late
         while len(new) < max_new_tokens and bonus != eos_token_id:
             if self.profile:
                 self._stage_range("draft")
@@ -194,6 +195,9 @@ class FastDecoder:
                 trees, nodes = self._static_tree(static, root, draft_logits, draft_hidden, h_last)
             t = self._tick(stats, "tree", t)
             out = runner.verify_tree(*nodes, self.start_dev)
+            if unchecked is not None:                         # while the device drafts, builds and verifies
+                self._unpack(unchecked)
+                unchecked = None
             packed = None
             if tree is None:                                  # the tree on the host, for the verify rules
                 greedy = rule == "greedy"                     # the argmax travels with the tree
@@ -225,13 +229,18 @@ class FastDecoder:
                 self._commit_ops(out, A)
             if isinstance(runner, GraphedTarget):
                 runner.committed()
-            if tree is None:
-                tree, _, _ = self._unpack(packed)
             start += A
-            new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]
+            if tree is None:                                  # the Tree is built and checked next round
+                unchecked = packed
+                new += packed[0, accepted[1:]].tolist() + [int(bonus)]
+                stats.tree_sizes.append(int(packed[4, 0]))
+            else:
+                new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]
+                stats.tree_sizes.append(tree.num_nodes)
             stats.accept_lengths.append(len(accepted))
-            stats.tree_sizes.append(tree.num_nodes)
             t = self._tick(stats, "commit", t)
+        if unchecked is not None:
+            self._unpack(unchecked)
         return finish(new, stats, max_new_tokens, eos_token_id)
 
     def _capture_commits(self) -> None:

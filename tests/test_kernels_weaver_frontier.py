@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tfm_kernels.weaver_frontier import place, place_ref, push, push_ref
+from tfm_kernels.weaver_frontier import finish, finish_ref, place, place_ref, push, push_ref
 
 
 def buffers(seed, B, N, W, E, R, filled):
@@ -120,3 +120,63 @@ def test_bad_buffers():
     bufs, _ = push_case(0, 2, 8, 2, 2, 4, 3, "cpu")                                    # 4 children of 3
     with pytest.raises(ValueError, match="push expects"):
         push(*bufs, s0=1, budget=8, expand=4)
+
+
+def finish_case(seed, B, N, P, M, W, device="cpu"):
+    """Random placement slots (slot 0 the root; each placed slot's parent an earlier placed slot; the unplaced ones
+    garbage) and frontiers: tree 0 has entries left, tree 1 none, tree 2 every slot placed (when P > N)."""
+    g = torch.Generator().manual_seed(seed)
+    placed = torch.rand(B, P, generator=g) < 0.6
+    placed[:, 0] = True
+    placed &= placed.cumsum(1) <= N + 1                                                    # at most N + 1 nodes
+    if B > 2:
+        placed[2] = torch.arange(P) <= N                                                    # a full tree
+    slot_int = torch.randint(-1, P, (B, P, 3), generator=g)
+    for b in range(B):
+        ids = placed[b].nonzero().flatten().tolist()
+        for j, i in enumerate(ids):
+            slot_int[b, i, 0] = -1 if j == 0 else ids[int(torch.randint(0, j, (1,), generator=g))]
+    slot_flt = torch.randn(B, P, 2, generator=g, dtype=torch.float64)
+    slot_flt[:, :, 1][torch.rand(B, P, generator=g) < 0.1] = -math.inf
+    front_flt = torch.randn(B, M, 2, generator=g, dtype=torch.float64)
+    front_flt[1, :, 0] = -math.inf                                                          # nothing left
+    front_flt[0, : M // 2, 0] = -math.inf                                                   # only rows past N left
+    last_active = torch.rand(B, W, generator=g) < 0.2
+    outs = (torch.full((B, N + 2), 5), torch.full((B, N + 2), 5), torch.full((B, N + 2), 5),
+            torch.full((B, N + 2), 5.0, dtype=torch.float64), torch.full((B,), 5), torch.ones(B, dtype=torch.bool))
+    ins = (slot_int, slot_flt, placed, front_flt)
+    return [t.to(device) for t in ins], last_active.to(device), tuple(t.to(device) for t in outs)
+
+
+def check_finish(device):
+    for seed, (N, P, M, W) in enumerate([(16, 41, 48, 4), (64, 97, 128, 8), (7, 5, 9, 2), (1, 2, 3, 1)]):
+        for with_last in (False, True):
+            ins, last, outs = finish_case(seed, 3, N, P, M, W)
+            want = tuple(t.clone() for t in outs)
+            finish_ref(*ins, last if with_last else None, want, budget=N)
+            ins, last, outs = finish_case(seed, 3, N, P, M, W, device)
+            finish(*ins, last if with_last else None, outs, budget=N)
+            for x, y in zip(want[:4], outs[:4]):
+                assert torch.equal(x[:, : N + 1], y[:, : N + 1].cpu())                      # column N+1: scratch
+            assert torch.equal(want[4], outs[4].cpu()) and torch.equal(want[5], outs[5].cpu())
+            if P > N:                                   # the full tree is not truncated, the empty frontier's
+                assert want[4][2] == N + 1 and not want[5][2]
+            assert not want[5][1] or with_last
+
+
+@pytest.mark.interpreter
+def test_finish_equals_the_reference():
+    check_finish("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_finish_equals_the_reference():
+    check_finish("cuda")
+
+
+def test_finish_rejects_bad_buffers():
+    ins, last, outs = finish_case(0, 3, 8, 9, 12, 2)
+    with pytest.raises(ValueError, match="finish expects"):
+        finish(*ins, None, (outs[0][:, :-1],) + outs[1:], budget=8)                        # node rows too short
+    with pytest.raises(ValueError, match="finish expects"):
+        finish(*ins, None, outs, budget=16)                                                 # budget > M

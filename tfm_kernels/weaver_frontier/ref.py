@@ -76,3 +76,32 @@ def push_ref(front_int, front_flt, logq, cand_ids, rows, dep, active, score, s0:
     flts[..., 0] = torch.where(valid, score[..., None] + lq, -math.inf)
     flts[..., 1] = lq
     front_flt[:, N + n:, 0] = -math.inf
+
+
+def finish_ref(slot_int, slot_flt, slot_placed, front_flt, last_active, out, budget: int) -> None:
+    """The build's trees from its placement slots, in place: node rows and whether each tree is `truncated`.
+
+    slot_int [B, P, 3] long (parent slot, token, depth), slot_flt [B, P, 2] f64 (score, log q), slot_placed [B, P]
+    bool: the placement slots (nodes are the placed slots in slot order); front_flt [B, M, 2] f64: the frontier;
+    last_active [B, W] bool or None: the last round's slots that would expand (None after an earlier round, whose
+    step pushed their children into frontier rows budget..); out = (tokens, parents, depths [B, N+2] long,
+    draft_logprobs [B, N+2] f64, num_nodes [B] long, truncated [B] bool), N = budget: columns 0..N the trees
+    (parents as node ids, -1 at the root; columns past num_nodes 0, -1, 0, 0.0), column N+1 scratch. A tree is
+    `truncated` when it has fewer than N+1 nodes and frontier entries (or last-round slots that would expand) are
+    left."""
+    tokens, parents, depths, logprobs, num_nodes, truncated = out
+    N = budget
+    node = slot_placed.cumsum(1) - 1                                          # [B, P] node id of a placed slot
+    dst = torch.where(slot_placed, node, N + 1)                               # [B, P]: unplaced -> column N+1
+    parent_slot = slot_int[:, :, 0]                                           # [B, P]
+    parent = torch.where(parent_slot >= 0, node.gather(1, parent_slot.clamp(min=0)), -1)   # [B, P]
+    tokens.zero_().scatter_(1, dst, slot_int[:, :, 1])
+    parents.fill_(-1).scatter_(1, dst, parent)
+    depths.zero_().scatter_(1, dst, slot_int[:, :, 2])
+    logprobs.zero_().scatter_(1, dst, slot_flt[:, :, 1])
+    num_nodes.copy_(slot_placed.sum(1))
+    if last_active is None:                       # rows N.. hold the last step's children, not yet ranked
+        left = (front_flt[:, :, 0] > -math.inf).any(1)                        # [B]
+    else:                                         # rows N.. were ranked in the last round: only the kept rows count
+        left = (front_flt[:, :N, 0] > -math.inf).any(1) | last_active.any(1)  # [B]
+    torch.logical_and(num_nodes < N + 1, left, out=truncated)

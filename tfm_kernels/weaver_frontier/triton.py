@@ -8,8 +8,10 @@ best entries, write them to their placement slots, count the placed ones, keep t
 head of the frontier, write the new slots' attention rows (ancestors and itself) and the step's token, depth, score
 and active flags. `push` does what `ref.push_ref` does in a sort and about twelve: pick each slot's top-E candidates
 by log q, write them into the frontier as children (parent, token, depth, log q, and score = the parent's score +
-log q in f64, -inf where invalid) and mark the rows after them invalid. Both only move and compare values, and add
-two f64 values as the reference does: they equal it exactly.
+log q in f64, -inf where invalid) and mark the rows after them invalid. `finish` (one program per tree) writes the
+trees' node rows, node counts and `truncated` flags from the placement slots, where `ref.finish_ref` takes about
+twenty launches. They only move and compare values, and add two f64 values as the reference does: they equal it
+exactly.
 """
 import torch
 import triton
@@ -152,3 +154,70 @@ def push(front_int, front_flt, logq, cand_ids, rows, dep, active, score, s0: int
     weaver_push_kernel[(B, W)](front_int, front_flt, logq, cand_ids, rows, dep, active.view(torch.int8), score, s0,
                                M, budget, W, expand, K, BK=triton.next_power_of_2(K),
                                BF=triton.next_power_of_2(max(M - budget, 1)), num_warps=2)
+
+
+@triton.jit
+def weaver_finish_kernel(slot_int, slot_flt, slot_placed, front_flt, last_active, tokens, parents, depths, logprobs,
+                         num_nodes, truncated, P, M, N, W, HAS_LAST: tl.constexpr, BP: tl.constexpr,
+                         BJ: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr):
+    """Tree `program_id(0)`: shapes as `finish` (row-major; bool as int8; node rows N + 2 wide). A placed slot's
+    node id is the count of placed slots up to it; its parent's, looked up BJ slots at a time."""
+    b = tl.program_id(0).to(tl.int64)
+    o_p = tl.arange(0, BP)
+    m_p = o_p < P
+    placed = (tl.load(slot_placed + b * P + o_p, mask=m_p, other=0) != 0) & m_p                # [BP]
+    node = tl.cumsum(placed.to(tl.int64), axis=0) - 1                                          # [BP]
+    count = tl.sum(placed.to(tl.int64), axis=0)
+    ps = tl.load(slot_int + (b * P + o_p) * 3, mask=placed, other=-1)                         # parent slot
+    tok = tl.load(slot_int + (b * P + o_p) * 3 + 1, mask=placed, other=0)
+    dep = tl.load(slot_int + (b * P + o_p) * 3 + 2, mask=placed, other=0)
+    lq = tl.load(slot_flt + (b * P + o_p) * 2 + 1, mask=placed, other=0.)
+    pn = tl.full([BP], -1, tl.int64)                                                           # parent node
+    run = tl.sum(tl.zeros([BJ], dtype=tl.int64), axis=0)                                       # placed before j0
+    for j0 in range(0, P, BJ):
+        o_j = j0 + tl.arange(0, BJ)
+        pj = (tl.load(slot_placed + b * P + o_j, mask=o_j < P, other=0) != 0) & (o_j < P)      # [BJ]
+        nj = run + tl.cumsum(pj.to(tl.int64), axis=0) - 1                                      # [BJ] node ids
+        hit = ps[:, None] == o_j[None, :]                                                      # [BP, BJ]
+        pn = tl.where(tl.sum(hit.to(tl.int32), axis=1) > 0, tl.sum(tl.where(hit, nj[None, :], 0), axis=1), pn)
+        run += tl.sum(pj.to(tl.int64), axis=0)
+    row = b * (N + 2)
+    tl.store(tokens + row + node, tok, mask=placed)
+    tl.store(parents + row + node, pn, mask=placed)
+    tl.store(depths + row + node, dep, mask=placed)
+    tl.store(logprobs + row + node, lq, mask=placed)
+    o_c = tl.arange(0, BC)
+    rest = (o_c >= count) & (o_c <= N)                                                         # columns past the tree
+    tl.store(tokens + row + o_c, tl.zeros([BC], dtype=tl.int64), mask=rest)
+    tl.store(parents + row + o_c, tl.full([BC], -1, tl.int64), mask=rest)
+    tl.store(depths + row + o_c, tl.zeros([BC], dtype=tl.int64), mask=rest)
+    tl.store(logprobs + row + o_c, tl.zeros([BC], dtype=tl.float64), mask=rest)
+    o_m = tl.arange(0, BM)
+    sc = tl.load(front_flt + (b * M + o_m) * 2, mask=o_m < (N if HAS_LAST else M), other=float("-inf"))
+    left = tl.sum((sc > float("-inf")).to(tl.int32), axis=0) > 0
+    if HAS_LAST:
+        o_w = tl.arange(0, BW)
+        act = tl.load(last_active + b * W + o_w, mask=o_w < W, other=0)
+        left = left | (tl.sum((act != 0).to(tl.int32), axis=0) > 0)
+    tl.store(num_nodes + b, count)
+    tl.store(truncated + b, ((count < N + 1) & left).to(tl.int8))
+
+
+def finish(slot_int, slot_flt, slot_placed, front_flt, last_active, out, budget: int) -> None:
+    """`ref.finish_ref` in one launch (arguments and shapes as there; every tensor contiguous, on one device). Column
+    N+1 of the node rows is not written."""
+    tokens, parents, depths, logprobs, num_nodes, truncated = out
+    B, P = slot_placed.shape
+    M, N = front_flt.shape[1], budget
+    W = 1 if last_active is None else last_active.shape[1]
+    ts = (slot_int, slot_flt, slot_placed, front_flt, *out) + (() if last_active is None else (last_active,))
+    if (not all(t.is_contiguous() and t.device == tokens.device for t in ts) or tokens.shape != (B, N + 2)
+            or N > M):
+        raise ValueError(f"finish expects contiguous buffers on one device, node rows [{B}, {N + 2}] and budget <= "
+                         f"M; got node rows {list(tokens.shape)}, budget {N}, M {M}")
+    act = slot_placed if last_active is None else last_active
+    weaver_finish_kernel[(B,)](slot_int, slot_flt, slot_placed.view(torch.int8), front_flt, act.view(torch.int8),
+                               tokens, parents, depths, logprobs, num_nodes, truncated.view(torch.int8), P, M, N, W,
+                               HAS_LAST=last_active is not None, BP=triton.next_power_of_2(P),
+                               BJ=min(32, triton.next_power_of_2(P)), BC=triton.next_power_of_2(N + 1),
+                               BM=triton.next_power_of_2(M), BW=triton.next_power_of_2(W), num_warps=4)

@@ -77,8 +77,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tfm_kernels.weaver_frontier import finish as fused_finish
+from tfm_kernels.weaver_frontier import finish_ref, place_ref, push_ref
 from tfm_kernels.weaver_frontier import place as fused_place
-from tfm_kernels.weaver_frontier import place_ref, push_ref
 from tfm_kernels.weaver_frontier import push as fused_push
 from tfm_runtime.fast.graphs import feed_graph_inputs
 from tfm_runtime.models.weaver import Weaver, WeaverState
@@ -341,26 +342,15 @@ class StaticWeaverTreeBuilder:
         return self.placed_out
 
     def _finish(self, last_active) -> None:
-        """Placement slots -> node rows; `truncated` where entries or expandable nodes are left.
+        """Placement slots -> node rows; `truncated` where entries or expandable nodes are left (one launch of
+        `tfm_kernels.weaver_frontier` on CUDA, its torch reference elsewhere).
 
         last_active [B, Wd]: round R's slots that would expand (None after an earlier round, whose step pushed
         their children into the frontier)."""
-        N = self.budget
-        placed = self.slot_placed                                              # [B, P]
-        node = placed.cumsum(1) - 1                                            # [B, P] node id of a placed slot
-        dst = torch.where(placed, node, N + 1)                                 # [B, P]: unplaced -> column N+1
-        parent_slot = self.slot_int[:, :, 0]                                   # [B, P]
-        parent = torch.where(parent_slot >= 0, node.gather(1, parent_slot.clamp(min=0)), -1)   # [B, P]
-        self.tokens.zero_().scatter_(1, dst, self.slot_int[:, :, 1])
-        self.parents.fill_(-1).scatter_(1, dst, parent)
-        self.depths.zero_().scatter_(1, dst, self.slot_int[:, :, 2])
-        self.draft_logprobs.zero_().scatter_(1, dst, self.slot_flt[:, :, 1])
-        self.num_nodes.copy_(placed.sum(1))
-        if last_active is None:                       # rows N.. hold the last step's children, not yet ranked
-            left = (self.front_flt[:, :, 0] > -math.inf).any(1)                    # [B]
-        else:                                         # rows N.. were ranked in round R: only the kept rows count
-            left = (self.front_flt[:, :N, 0] > -math.inf).any(1) | last_active.any(1)   # [B]
-        torch.logical_and(self.num_nodes < N + 1, left, out=self.truncated)
+        finish = fused_finish if self.fused_frontier else finish_ref
+        finish(self.slot_int, self.slot_flt, self.slot_placed, self.front_flt, last_active,
+               (self.tokens, self.parents, self.depths, self.draft_logprobs, self.num_nodes, self.truncated),
+               self.budget)
 
 
 def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -368,7 +358,11 @@ def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     ancestors, for trees at most `max_depth` deep (e.g. the lookahead L). The closure of "i or its parent" by
     repeated squaring: ceil(log2(max_depth)) matmuls of 0/1 matrices (exact in float32: sums <= N), no host reads,
     so a padded row of `WeaverTrees` gives its padding nodes a row that sees only themselves (as `graphs.pad_tree`).
-    Elementwise ops and matmuls only (no value checks that read the host): capturable in a CUDA graph."""
+    Elementwise ops and matmuls only (no value checks that read the host): capturable in a CUDA graph. On CUDA one
+    launch of `tfm_kernels.tree_ancestors` (each row follows its parent chain), which gives the same masks."""
+    if parents.is_cuda:
+        from tfm_kernels.tree_ancestors import tree_ancestors
+        return tree_ancestors(parents, max_depth)
     B, N = parents.shape
     step = (parents[..., None] == torch.arange(N, device=parents.device)) & (parents >= 0)[..., None]  # [B, N, N]
     reach = (step | torch.eye(N, dtype=torch.bool, device=parents.device)).float()       # [B, N, N] <= 1 level

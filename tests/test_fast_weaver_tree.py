@@ -326,6 +326,14 @@ def test_static_state_steps_equal_growing_state():
             assert static.num_nodes == grow.num_nodes
         with pytest.raises(ValueError, match="holds 9 node slots"):
             w.step(static, tok, dep, torch.zeros(3, 4, 9, dtype=torch.bool), E)
+        # the prefix straight into the static state: the same K/V as `reset`, the node slots cleared
+        again = WeaverState.static(2, 3, 2, 7, 8, 9, dtype=torch.float32)
+        again.reset(w.prefix(h, u))
+        assert w.prefix(h, u, into=static) is static and static.num_nodes == 0
+        for a, b in zip(static.k + static.v, again.k + again.v):
+            assert torch.equal(a[:, :, :7], b[:, :, :7])
+        with pytest.raises(ValueError, match="static state with prefix length 7"):
+            w.prefix(h, u, into=WeaverState.static(2, 3, 2, 6, 8, 9, dtype=torch.float32))
 
 
 def test_feed_graph_inputs_copies_or_checks_the_aliased_tensors():

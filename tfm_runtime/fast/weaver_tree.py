@@ -280,7 +280,7 @@ class StaticWeaverTreeBuilder:
 
     def _start(self, roots, h_final, dflash_hidden, cand_ids, cand_logits) -> None:
         """Reset the buffers, then the root step."""
-        self.state.reset(self.weaver.prefix(h_final, dflash_hidden[:, :self.L]))
+        self.weaver.prefix(h_final, dflash_hidden[:, :self.L], into=self.state)          # K/V into the state
         self.front_flt[:, :, 0].fill_(-math.inf)                               # empty frontier
         self.slot_int[:, 0, 0].fill_(-1)
         self.slot_int[:, 0, 1].copy_(roots)

@@ -204,6 +204,10 @@ class WeaverState:
             dst[:, :, : self.prefix_len].copy_(src)
         self._nodes = 0
 
+    def clear(self) -> None:
+        """Static state: no node slots (the prefix K/V stay)."""
+        self._nodes = 0
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, nh, W, hd] of W new slots for `layer` -> that layer's K/V over prefix, old and new slots
         [B, nh, P+Nt+W, hd]. A growing state concatenates; a static one writes in place (call `advance` after the
@@ -269,8 +273,10 @@ class Weaver(nn.Module):
         return self._rope_tables[key]
 
     # ---- inference: prefix once per round, then batched node steps ----------------------------------
-    def prefix(self, h_final: torch.Tensor, u: torch.Tensor) -> WeaverState:
-        """h_final [B, H], u [B, L, H] -> WeaverState holding the causal prefix K/V of every layer."""
+    def prefix(self, h_final: torch.Tensor, u: torch.Tensor, into: WeaverState | None = None) -> WeaverState:
+        """h_final [B, H], u [B, L, H] -> WeaverState holding the causal prefix K/V of every layer. `into`: a static
+        state (`WeaverState.static`, prefix length 1 + L) that takes the K/V in place and is returned, with no node
+        slots (as `reset` with a new prefix, without its copies)."""
         x = self.proposal_in(self.output_norm(torch.cat([h_final[:, None], u], dim=1)))   # [B, 1+L, r]
         T = x.shape[1]
         key = ("prefix", T, x.device, x.dtype)
@@ -279,14 +285,20 @@ class Weaver(nn.Module):
             causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]   # [1, 1, T, T]
             self._rope_tables[key] = cos, sin, causal
         cos, sin, causal = self._rope_tables[key]
+        if into is not None and (into.capacity is None or into.prefix_len != T):
+            raise ValueError(f"prefix into a state needs a static state with prefix length {T}")
         ks, vs = [], []
         h = self.blocks[0].attn_norm(x)
         for i, blk in enumerate(self.blocks):
-            q, k, v = blk.qkv(h, cos, sin, normed=True)
+            out = () if into is None else (into.k[i][:, :, :T], into.v[i][:, :, :T])      # [B, nh, T, hd] views
+            q, k, v = blk.qkv(h, cos, sin, None, *out, normed=True)
             ks.append(k), vs.append(v)
             if i + 1 < len(self.blocks):              # the last block's output is not part of the state
                 x, h = blk.finish(x, q, k, v, causal, next_norm=self.blocks[i + 1].attn_norm)
-        return WeaverState(ks, vs)
+        if into is None:
+            return WeaverState(ks, vs)
+        into.clear()
+        return into
 
     def step(self, state: WeaverState, tokens: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor | None,
              embed_weight: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

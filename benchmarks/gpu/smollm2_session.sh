@@ -19,6 +19,8 @@
 #   STEP=7 carry .whl .carry   step_ab: this tree's step costs against .carry/base (made here first:
 #                              mkdir -p .carry/base && git archive <rev> tfm_runtime tfm_kernels | tar -x -C .carry/base;
 #                              BASE_REV=<rev>), ~2 min, no target needed
+#   STEP=8 carry .whl .carry   one call, no target: the GPU tests named in TESTS (default: the fast backend's; TESTS_S),
+#                              then step_ab as STEP=7 and the Qwen3.6-27B shape as STEP=6 in the time left
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; T0=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/root/site:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -88,5 +90,16 @@ case ${STEP:-1} in
 7)  python3 -m benchmarks.gpu.wheels /root/site transformers >"$OUT/wheels.log" 2>&1 || cat "$OUT/wheels.log"
     timeout "$(left 500)" python3 -m benchmarks.runtime.step_ab --base .carry/base --base-rev "${BASE_REV:-}" \
       --out "$OUT/step_ab.json" 2>&1 | tail -8 ;;
+8)  python3 -m benchmarks.gpu.wheels /root/site transformers >"$OUT/wheels.log" 2>&1 || cat "$OUT/wheels.log"
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
+    timeout "${TESTS_S:-230}" python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/test_fast_*.py} \
+      >"$OUT/tests.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/session.txt"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
+    timeout "$(left 420)" python3 -m benchmarks.runtime.step_ab --base .carry/base --base-rev "${BASE_REV:-}" \
+      --out "$OUT/step_ab.json" 2>&1 | tail -10
+    timeout "$(left 590)" python3 -m benchmarks.runtime.shape27b_bench --out "$OUT/runtime_27b.json" \
+      >"$OUT/shape27b.log" 2>&1
+    echo "27b shape: exit $? ($(( $(date +%s) - T0 )) s)"; tail -8 "$OUT/shape27b.log" | cut -c1-250 ;;
 esac
 echo "step ${STEP:-1} done ($(( $(date +%s) - T0 )) s)"

@@ -13,8 +13,8 @@ Rows: the AR step (`HybridModel.decode` replayed from a CUDA graph by `GraphedTa
 the weight-streaming floor of the GPU (every weight but the input embedding at the read bandwidth measured in the
 run, `read_bandwidth`; 12.66 ms on the H200 by an earlier measurement; `--floor-ms` sets it); per budget
 16/32/64/128: the tree verify of the Weaver's tree (`verify_ms`) and its ratio to the AR step, the DFlash draft, the
-Weaver tree build and the commit of a 4-node path (verify and the GDN state commit replayed from the graphs of each
-budget's tree size), each a median of `--reps`; the projected tokens/s and speedup over AR with the mean acceptance
+Weaver tree build (in 16 steps; `build_ms_by_steps`: at each `--steps`) and the commit of a 4-node path (verify and
+the GDN state commit replayed from the graphs of each budget's tree size), each a median of `--reps`; the projected tokens/s and speedup over AR with the mean acceptance
 length of Weaver trees at that budget from `--acceptance` (the SmolLM2 figures of benchmarks/results/acceptance.json,
 T = 0, mean over its datasets: a stand-in until a 27B Weaver exists).
 """
@@ -103,6 +103,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--steps", type=int, nargs="+", default=[16, 8],
+                    help="Weaver steps per tree (width ceil(budget / steps)); the first is the rows' build, each is "
+                         "timed (`build_ms_by_steps`)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--floor-ms", type=float, help="the weight-streaming floor of one AR step on this GPU (default: "
                     "the AR step's weight bytes at this GPU's read bandwidth, measured here; none on the CPU)")
@@ -114,6 +117,7 @@ def main(argv=None) -> dict:
     from tfm_runtime.fast.graphs import GraphedTarget
     from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
     from tfm_runtime.models.weaver import Weaver, WeaverConfig
+    from tfm_runtime.weaver_tree import step_width
 
     dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -154,19 +158,25 @@ def main(argv=None) -> dict:
     h_last = out.hidden[-1]
     accept = weaver_acceptance(args.acceptance) if os.path.exists(args.acceptance) else {}
     per_budget = []
+    inputs = (token, h_last[None], hidden[None], cand_ids[None], cand_logits[None].to(dtype))
     for budget in args.budgets:
-        b = StaticWeaverTreeBuilder(weaver, model.embed, model.lm_head, budget, K=K, L=L, batch=1, device=dev,
-                                    dtype=dtype)
-        inputs = (token, h_last[None], hidden[None], cand_ids[None], cand_logits[None].to(dtype))
-        if graphs:
-            b.capture(*inputs)
-        build_ms = warm_median_ms(lambda: b.build(*inputs), dev, args.reps)
-        trees = b.build(*inputs)
-        n = int(trees.num_nodes[0])
-        anc = ancestor_masks(trees.parents[:, :n], L)[0]
-        tree = (trees.tokens[0, :n], trees.depths[0, :n], anc)
+        by_steps = {}
+        for steps in args.steps:
+            b = StaticWeaverTreeBuilder(weaver, model.embed, model.lm_head, budget, K=K, L=L, batch=1, device=dev,
+                                        dtype=dtype, width=step_width(budget, steps))
+            if graphs:
+                b.capture(*inputs)
+            by_steps[str(steps)] = round(warm_median_ms(lambda b=b: b.build(*inputs), dev, args.reps), 3)
+            if steps == args.steps[0]:
+                trees = b.build(*inputs)                  # the verified tree: the first step count's
+                n = int(trees.num_nodes[0])
+                anc = ancestor_masks(trees.parents[:, :n], L)[0]
+                tree = (trees.tokens[0, :n], trees.depths[0, :n], anc)
+                parents = trees.parents[0, :n].tolist()
+            del b
+        build_ms = by_steps[str(args.steps[0])]
         verify_ms = warm_median_ms(lambda: runner.verify_tree(*tree, start), dev, args.reps)  # nothing committed
-        parents, path = trees.parents[0, :n].tolist(), [0]
+        path = [0]
         while len(path) < 4 and path[-1] in parents:                                  # a root path of <= 4 nodes
             path.append(parents.index(path[-1]))
         path = torch.tensor(path, device=dev)
@@ -179,12 +189,12 @@ def main(argv=None) -> dict:
         tau = accept.get(budget)
         per_budget.append({"budget": budget, "nodes": n, "verify_ms": round(verify_ms, 3),
                            "verify_over_ar": round(verify_ms / ar_ms, 3), "tree_build_ms": round(build_ms, 3),
+                           "build_ms_by_steps": by_steps,
                            "commit_ms": round(commit_ms, 3), "step_ms": round(step, 3),
                            "draft_and_build_over_verify": round((draft_ms + build_ms) / verify_ms, 3),
                            "acceptance_length": tau,
                            "projected_tokens_per_s": round(1e3 * tau / step, 1) if tau else None,
                            "projected_speedup_over_ar": round(tau * ar_ms / step, 3) if tau else None})
-        del b
     result = {"env": run_env,
               "setup": {"device": str(dev), "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke,
                         "target": {**(SMOKE_SHAPE if args.smoke else SHAPE),

@@ -5,7 +5,8 @@
 
 Each code runs in its own process (its `tfm_runtime` and `tfm_kernels` first on PYTHONPATH), `--runs` times in turn,
 and measures with CUDA graphs, bf16, batch 1: the AR decode step and the verify of a 65-node tree of a random
-SmolLM2-135M-shaped target (`GraphedTarget`, 128 committed tokens), and the captured first phase of the Weaver tree
+SmolLM2-135M-shaped target (`GraphedTarget`, 128 committed tokens), the captured ancestor masks of a 65-node tree
+(`ancestor_masks`, as FastDecoder replays them after each build), and the captured first phase of the Weaver tree
 build at budget 64 and widths 4 / 8 / 16 (`StaticWeaverTreeBuilder`, a random Weaver in the SmolLM2 recipe's shape,
 K = 512 candidates at 15 depths). Random weights: the costs depend on the shapes only. The table ends with each
 figure's median per code and the ratio of this checkout's to the base's.
@@ -34,7 +35,8 @@ def measure(tag: str, reps: int, device: str) -> dict:
     import tfm_runtime
     from tfm_runtime.fast.dense import DenseModel
     from tfm_runtime.fast.graphs import GraphedTarget
-    from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder
+    from tfm_runtime.fast.graphs import capture
+    from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder, ancestor_masks
     from tfm_runtime.models.weaver import Weaver, WeaverConfig
     cuda = device == "cuda"
     dt = torch.bfloat16 if cuda else torch.float32
@@ -69,6 +71,11 @@ def measure(tag: str, reps: int, device: str) -> dict:
         anc[:, 0] = True
         start = torch.tensor([128], device=device)
         row["verify65_ms"] = timed(lambda: graphed.verify_tree(tokens, depths, anc, start), reps)
+        parents = torch.tensor([-1] + [int(torch.randint(max(0, i - 4), i, (1,))) for i in range(1, N)],
+                               device=device)[None]                                           # [1, 65]
+        if cuda:                                                 # as FastDecoder replays it after each build
+            graph, _ = capture(lambda: ancestor_masks(parents, 15))
+            row["anc65_ms"] = timed(graph.replay, reps)
         torch.manual_seed(0)
         weaver = Weaver(WeaverConfig(d_model=576, d_embed=576, d_rank=256, num_layers=2, num_heads=4, mlp_dim=768,
                                      lookahead=15, candidate_pool=512)).to(device, dt).eval()

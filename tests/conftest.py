@@ -103,3 +103,18 @@ def poison_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_like(*a, **k)))
+
+
+@pytest.fixture()
+def strided_copies(monkeypatch):
+    """The shapes of the tensors `.contiguous()` copies (non-contiguous ones) from the moment the fixture is
+    requested: a kernel wrapper that reads strided views in place adds none."""
+    real, copied = torch.Tensor.contiguous, []
+
+    def spy(t, *a, **k):
+        if not t.is_contiguous():
+            copied.append(tuple(t.shape))
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", spy)
+    return copied

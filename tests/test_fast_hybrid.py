@@ -260,6 +260,74 @@ def test_tree_gdn_inputs_kernel_equals_conv_kernel_and_torch_gates():
     torch.testing.assert_close(beta.cpu(), b.sigmoid(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_tree_gdn_inputs_kernel_reads_the_fused_projection_in_place(request):
+    """x, a, b as the column views of one fused in-projection output [B, N, D + 2 + 2 HV] (as `_gdn_inputs` splits
+    it, with z's columns between): no copy, and the contiguous copies' outputs bit for bit."""
+    from tfm_kernels.gdn_tree.inputs import tree_gdn_inputs
+    dev = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    gen = torch.Generator().manual_seed(1)
+    B, N, D, W, HV = 2, 9, 21, 4, 5
+    fused = torch.randn(B, N, D + 2 + 2 * HV, generator=gen).to(dev)
+    x, _, b, a = fused.split([D, 2, HV, HV], dim=-1)
+    state, weight, bias = (torch.randn(3, D, W - 1, generator=gen), torch.randn(D, W, generator=gen),
+                           torch.randn(D, generator=gen))
+    A_log, dt_bias = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
+    parent = torch.tensor([[-1, 0, 0, 1, 3, 2, 5, 0, 7], [-1, 0, 1, 2, 0, 0, 0, 0, 0]])
+    n, idx = torch.tensor([9, 5], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)
+    args = [t.to(dev) for t in (state, weight, bias, parent, n, idx)]
+    gates = [t.to(dev) for t in (A_log, dt_bias)]
+    want = tree_gdn_inputs(x.contiguous(), *args, a.contiguous(), b.contiguous(), *gates, block_n=4, block_d=8)
+    copied = request.getfixturevalue("strided_copies")                      # from here on
+    got = tree_gdn_inputs(x, *args, a, b, *gates, block_n=4, block_d=8)
+    assert copied == []
+    for g_, w_ in zip(got, want):
+        assert g_.is_contiguous() and torch.equal(g_, w_)
+
+
+def test_fused_gdn_in_projection_is_the_hf_weights(monkeypatch):
+    """Qwen3.5: from_hf re-homes each GDN layer's in_proj_qkv, z, b, a into one tensor that w_in spans (no copy: the
+    HF weights are consecutive row blocks of it, their values and the HF model's logits unchanged, a second from_hf
+    copies nothing); `_gdn_inputs` runs one GEMM and returns column views of its output; the logits equal HF's."""
+    w = perturbed_world("qwen3_5")
+    ids = torch.tensor([PROMPT])
+    state = {k: v.clone() for k, v in w.target.model.state_dict().items()}
+    with torch.no_grad():
+        before = w.target(ids).logits
+    m = HybridModel.from_hf(w.target, max_seq_len=32, gdn="torch")
+    c = m.cfg
+    hv, dv, C = c.gdn_v_heads, c.gdn_v_dim, c.conv_dim
+    gdn = [(i, l.mixer) for i, l in enumerate(m.layers) if l.kind == "linear_attention"]
+    assert gdn
+    for i, mixer in gdn:
+        hf = w.target.model.model.layers[i].linear_attn
+        assert mixer.w_in.shape == (C + hv * dv + 2 * hv, c.hidden_size)
+        start, size = 0, mixer.w_in.element_size() * mixer.w_in.shape[1]
+        for lin in (hf.in_proj_qkv, hf.in_proj_z, hf.in_proj_b, hf.in_proj_a):
+            assert lin.weight.data_ptr() == mixer.w_in.data_ptr() + start * size
+            start += lin.weight.shape[0]
+        assert start == mixer.w_in.shape[0]
+    assert all(torch.equal(w.target.model.state_dict()[k], v) for k, v in state.items())
+    again = HybridModel.from_hf(w.target, max_seq_len=32, gdn="torch")
+    assert all(a.mixer.w_in.data_ptr() == b.mixer.w_in.data_ptr() for a, b in zip(again.layers, m.layers)
+               if a.kind == "linear_attention")
+    calls = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(a[1].shape) or real_linear(*a))
+    mixed, z, b, a = m._gdn_inputs(gdn[0][1], torch.randn(3, c.hidden_size))
+    monkeypatch.undo()
+    assert len(calls) == 1
+    assert mixed.shape == (3, C) and z.shape == (3, hv, dv) and b.shape == a.shape == (3, hv)
+    width = C + hv * dv + 2 * hv
+    assert mixed.stride() == (width, 1) and z.stride() == (width, dv, 1) and b.stride() == a.stride() == (width, 1)
+    assert z.data_ptr() == mixed.data_ptr() + C * 4 and a.data_ptr() == b.data_ptr() + hv * 4
+    with torch.no_grad():
+        after = w.target(ids).logits
+    assert torch.equal(before, after)
+    torch.testing.assert_close(m.prefill(torch.tensor(PROMPT)).logits, after[0, -1:], atol=ATOL, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_triton_paths_on_cuda(family):

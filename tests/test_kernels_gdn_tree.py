@@ -331,6 +331,35 @@ def test_tree_conv1d_and_commit(W, S, bias, act, dtype, kernel_device):
         assert torch.equal(p2[4].cpu(), pool[4]), "padded request wrote its out slot"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tree_conv1d_and_commit_read_strided_views(dtype, kernel_device, request):
+    """x as the mixed qkv columns of a fused projection's output (rows 37 apart, requests 13 rows apart, an offset of
+    5): the conv and the commit read it in place (no copy) and give the contiguous copy's results bit for bit."""
+    dev = kernel_device
+    gen = torch.Generator().manual_seed(11)
+    B, N, D, W, S = 2, 11, 21, 4, 3
+    parent, num = make_batch(B, N, [11, 7], "random", gen)
+    wide = torch.randn(B, N + 2, 37, generator=gen).to(dtype).to(dev)
+    x = wide[:, :N, 5:5 + D]                                                  # [B, N, D] view, last dim contiguous
+    pool = torch.randn(3, D, S, generator=gen).to(dtype).to(dev)
+    w, b = torch.randn(D, W, generator=gen).to(dev), torch.randn(D, generator=gen).to(dev)
+    sidx, leaf = torch.tensor([2, 0], dtype=torch.int32).to(dev), torch.tensor([9, 4]).to(dev)
+    args = (pool, w, b, parent.to(dev), num.to(dev), sidx)
+    want = tree_conv1d(x.contiguous(), *args, block_n=4, block_d=8)
+    want_pool = tree_conv1d_commit(x.contiguous(), pool.clone(), leaf, parent.to(dev), sidx,
+                                   torch.tensor([1, 2], dtype=torch.int32).to(dev), block_d=8)
+    copied = request.getfixturevalue("strided_copies")                      # from here on
+    out = tree_conv1d(x, *args, block_n=4, block_d=8)
+    got_pool = tree_conv1d_commit(x, pool.clone(), leaf, parent.to(dev), sidx,
+                                  torch.tensor([1, 2], dtype=torch.int32).to(dev), block_d=8)
+    assert copied == []
+    assert out.is_contiguous() and torch.equal(out, want) and torch.equal(got_pool, want_pool)
+    ref_out = ref.tree_conv1d(x.cpu(), pool.cpu()[sidx.long().cpu()], w.cpu(), b.cpu(), parent, num)
+    assert rel_rms(out, ref_out) < (1e-6 if dtype == torch.float32 else 2e-3)
+    ref_pool = ref.tree_conv1d_commit(x.cpu(), pool.cpu()[sidx.long().cpu()], leaf.cpu(), parent)
+    assert torch.equal(got_pool[1:].cpu().double(), ref_pool.to(dtype).double())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,kind,cfg", [(16, "chain", {}), (65, "eagle", dict(block_t=16, block_v=32, num_warps=4)),
                                         (65, "eagle", dict(block_t=32, block_v=16, num_warps=4)),

@@ -81,6 +81,28 @@ def test_rms_norm_reads_strided_views_in_place():
 
 
 @pytest.mark.interpreter
+def test_gated_rms_norm_reads_the_gate_in_place(strided_copies):
+    """The GDN output norm's gate z [T, HV, dv] as columns of a fused in-projection's output (rows 2 HV dv + 7 apart,
+    an offset of 3), also 2-D [T HV, dv] rows at one stride, with x contiguous or a view too: no copy, and the result of
+    contiguous copies bit for bit, within rounding of float64."""
+    g = torch.Generator().manual_seed(5)
+    T, HV, dv = 5, 3, 20
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
+        fused = torch.randn(T, 2 * HV * dv + 7, generator=g).to(dtype)
+        w = (1 + torch.randn(dv, generator=g)).to(dtype)
+        z = fused[:, 3:3 + HV * dv].view(T, HV, dv)
+        o = torch.randn(T, HV, dv, generator=g).to(dtype)
+        x_view = fused[:, 3 + HV * dv:3 + 2 * HV * dv].view(T, HV, dv)
+        rows = torch.randn(T * HV, 2 * dv, generator=g).to(dtype)
+        for x, gate in ((o, z), (x_view, z), (o.view(T * HV, dv), rows[:, 5:5 + dv])):
+            want = rms_norm(x.contiguous(), w, None, 1e-6, gate=gate.contiguous())
+            del strided_copies[:]
+            got = rms_norm(x, w, None, 1e-6, gate=gate)
+            assert strided_copies == [] and torch.equal(got, want)
+            assert _rel(got, rms_norm_ref(x, w, None, 1e-6, gate=gate)) < tol
+
+
+@pytest.mark.interpreter
 def test_rms_norm_rows_is_the_norm_of_the_looked_up_rows():
     """An embedding lookup and its norm in one launch: `rms_norm_rows(table, index)` equals `rms_norm(table[index])`
     bit for bit (repeated and 2-D indices, with a bias, a table that is a view with rows apart), and bad inputs are

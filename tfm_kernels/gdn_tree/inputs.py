@@ -4,25 +4,28 @@
     gates  g[b, i, h] = -exp(A_log[h]) softplus(a[b, i, h] + dt_bias[h]),   beta[b, i, h] = sigmoid(b[b, i, h])
 
 The grid is the tree conv's (channel tiles x node tiles x requests) plus one column of programs that each compute
-the gates of a node tile, so the gates cost no launch of their own (in torch they are several).
+the gates of a node tile, so the gates cost no launch of their own (in torch they are several). x, a and b may be
+strided views with a contiguous last dim (the column slices of one fused in-projection's output), read in place.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .conv import conv_tile
+from .conv import conv_tile, node_rows
 
 
 @triton.jit
-def tree_gdn_inputs_kernel(x, conv_state, weight, bias, parent, num_nodes, state_idx, out, a, b,
-                           A_log, dt_bias, g, beta, N: tl.constexpr, D: tl.constexpr,
-                           S: tl.constexpr, W: tl.constexpr, HV: tl.constexpr, ND: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+def tree_gdn_inputs_kernel(x, s_xb, s_xn, conv_state, weight, bias, parent, num_nodes, state_idx, out,
+                           a, s_ab, s_an, b, s_bb, s_bn, A_log, dt_bias, g, beta, N: tl.constexpr,
+                           D: tl.constexpr, S: tl.constexpr, W: tl.constexpr, HV: tl.constexpr,
+                           ND: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                            BH: tl.constexpr):
+    """Node i of request b: x at b * s_xb + i * s_xn, a at b * s_ab + i * s_an, b at b * s_bb + i * s_bn (last
+    dims contiguous); out, g, beta contiguous."""
     i_d, i_n, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     if i_d < ND:
-        conv_tile(x, conv_state, weight, bias, parent, num_nodes, state_idx, out, i_d, i_n, i_b, N,
-                  D, S, W, HAS_BIAS, True, BN, BD)
+        conv_tile(x, s_xb, s_xn, conv_state, weight, bias, parent, num_nodes, state_idx, out, i_d, i_n,
+                  i_b, N, D, S, W, HAS_BIAS, True, BN, BD)
     else:
         o_n = i_n * BN + tl.arange(0, BN)
         o_h = tl.arange(0, BH)
@@ -30,8 +33,10 @@ def tree_gdn_inputs_kernel(x, conv_state, weight, bias, parent, num_nodes, state
         m = (o_n < N)[:, None] & m_h[None, :]
         p = (i_b * N + o_n[:, None]) * HV + o_h[None, :]
         # [BN, BH]
-        b_a = tl.load(a + p, mask=m, other=0.).to(tl.float32)
-        b_b = tl.load(b + p, mask=m, other=0.).to(tl.float32)
+        b_a = tl.load(a + i_b * s_ab + o_n[:, None].to(tl.int64) * s_an + o_h[None, :], mask=m,
+                      other=0.).to(tl.float32)
+        b_b = tl.load(b + i_b * s_bb + o_n[:, None].to(tl.int64) * s_bn + o_h[None, :], mask=m,
+                      other=0.).to(tl.float32)
         b_A = tl.load(A_log + o_h, mask=m_h, other=0.).to(tl.float32)
         b_dt = tl.load(dt_bias + o_h, mask=m_h, other=0.).to(tl.float32)
         b_x = b_a + b_dt[None, :]
@@ -52,8 +57,10 @@ def tree_gdn_inputs(x, conv_state, weight, bias, parent, num_nodes, state_idx, a
         parent: [B, N] int, -1 <= parent[b, i] < i.  num_nodes: [B] int.
         state_idx: [B] int32 conv-state slot per request; -1 = padded request (zero conv output).
         a, b: [B, N, HV] raw gate projections.  A_log, dt_bias: [HV].
+        x, a, b may be strided views whose last dim is contiguous (read in place; else copied first).
     Returns:
-        out [B, N, D] in x.dtype (as `tree_conv1d(..., activation="silu")`), g and beta [B, N, HV] fp32.
+        out [B, N, D] in x.dtype (as `tree_conv1d(..., activation="silu")`), g and beta [B, N, HV] fp32, all
+        contiguous.
     """
     B, N, D = x.shape
     W, S, HV = weight.shape[1], conv_state.shape[2], a.shape[2]
@@ -63,13 +70,14 @@ def tree_gdn_inputs(x, conv_state, weight, bias, parent, num_nodes, state_idx, a
     if a.shape != (B, N, HV) or b.shape != (B, N, HV) or A_log.shape != (HV,) or dt_bias.shape != (HV,):
         raise ValueError(f"expected a, b [{B}, {N}, HV] and A_log, dt_bias [HV], got {tuple(a.shape)}, "
                          f"{tuple(b.shape)}, {tuple(A_log.shape)}, {tuple(dt_bias.shape)}")
-    out = torch.empty_like(x)
+    x, a, b = node_rows(x), node_rows(a), node_rows(b)
+    out = torch.empty(B, N, D, dtype=x.dtype, device=x.device)
     g = torch.empty(B, N, HV, dtype=torch.float32, device=x.device)
     beta = torch.empty(B, N, HV, dtype=torch.float32, device=x.device)
     ND = triton.cdiv(D, block_d)
     tree_gdn_inputs_kernel[(ND + 1, triton.cdiv(N, block_n), B)](
-        x.contiguous(), conv_state, weight.contiguous(), bias, parent.contiguous(),
-        num_nodes.contiguous(), state_idx.contiguous(), out, a.contiguous(), b.contiguous(),
-        A_log.contiguous(), dt_bias.contiguous(), g, beta, N=N, D=D, S=S, W=W, HV=HV, ND=ND,
+        x, x.stride(0), x.stride(1), conv_state, weight.contiguous(), bias, parent.contiguous(),
+        num_nodes.contiguous(), state_idx.contiguous(), out, a, a.stride(0), a.stride(1), b, b.stride(0),
+        b.stride(1), A_log.contiguous(), dt_bias.contiguous(), g, beta, N=N, D=D, S=S, W=W, HV=HV, ND=ND,
         HAS_BIAS=bias is not None, BN=block_n, BD=block_d, BH=triton.next_power_of_2(HV))
     return out, g, beta

@@ -17,12 +17,12 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x, idx, w, b, z, r, s, y, D, NB, s_xa, s_xb, eps, HAS_BIAS: tl.constexpr,
+def rms_norm_fwd_kernel(x, idx, w, b, z, r, s, y, D, NB, s_xa, s_xb, NZ, s_za, s_zb, eps, HAS_BIAS: tl.constexpr,
                         ONE_PLUS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, HAS_IDX: tl.constexpr,
                         BD: tl.constexpr):
-    """Row `program_id(0)` of x [N, D] -> y [N, D] (z, r, s, y row-major; row i of x at (i // NB) * s_xa +
-    (i % NB) * s_xb, its last dim contiguous; HAS_IDX: at idx[i] * s_xa, rows gathered from a table); w, b [D];
-    BD = next power of 2 >= D.
+    """Row `program_id(0)` of x [N, D] -> y [N, D] (r, s, y row-major; row i of x at (i // NB) * s_xa +
+    (i % NB) * s_xb, its last dim contiguous; HAS_IDX: at idx[i] * s_xa, rows gathered from a table; row i of z at
+    (i // NZ) * s_za + (i % NZ) * s_zb, its last dim contiguous); w, b [D]; BD = next power of 2 >= D.
     HAS_RES: the row normalised is s = round(x + r), also written (a residual add before the norm).
     ONE_PLUS: y = round(x / rms(x) * (1 + w)), one rounding (Qwen3.5's norm); else the module's roundings.
     HAS_GATE: then y = round(y * silu(z)), silu in fp32 (the GDN output norm)."""
@@ -47,7 +47,7 @@ def rms_norm_fwd_kernel(x, idx, w, b, z, r, s, y, D, NB, s_xa, s_xb, eps, HAS_BI
     if HAS_BIAS:
         out = (out.to(tl.float32) + tl.load(b + o, mask=m, other=0.).to(tl.float32)).to(y.dtype.element_ty)
     if HAS_GATE:
-        zr = tl.load(z + row * D + o, mask=m, other=0.).to(tl.float32)
+        zr = tl.load(z + (row // NZ) * s_za + (row % NZ) * s_zb + o, mask=m, other=0.).to(tl.float32)
         out = (out.to(tl.float32) * (zr / (1.0 + tl.exp(-zr)))).to(y.dtype.element_ty)
     tl.store(y + row * D + o, out, mask=m)
 
@@ -62,7 +62,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         weight, bias: [D] of x's dtype (bias may be None).
         one_plus: scale by (1 + weight) in fp32 and round once (Qwen3-Next / Qwen3.5) instead of rounding the
             normalised x before the weight (Llama, Qwen3, the drafters).
-        gate: [..., D] like x, or None: then y * silu(gate) in fp32, rounded (Qwen3.5's gated GDN output norm).
+        gate: [..., D] like x, or None: then y * silu(gate) in fp32, rounded (Qwen3.5's gated GDN output norm);
+            read in place where x would be (e.g. z [T, HV, dv], columns of a fused in-projection's output).
     Returns:
         y: [..., D] of x's dtype, contiguous.
     """
@@ -87,9 +88,9 @@ def rms_norm_rows(table: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
     if idx.shape[0]:
         BD = triton.next_power_of_2(D)
         rms_norm_fwd_kernel[(idx.shape[0],)](table, idx, weight.contiguous(), bias if bias is not None else weight, y,
-                                             y, y, y, D, 1, table.stride(0), 0, eps, HAS_BIAS=bias is not None,
-                                             ONE_PLUS=False, HAS_GATE=False, HAS_RES=False, HAS_IDX=True, BD=BD,
-                                             num_warps=4 if BD <= 2048 else 8)
+                                             y, y, y, D, 1, table.stride(0), 0, 1, D, 0, eps,
+                                             HAS_BIAS=bias is not None, ONE_PLUS=False, HAS_GATE=False,
+                                             HAS_RES=False, HAS_IDX=True, BD=BD, num_warps=4 if BD <= 2048 else 8)
     return y.view(*index.shape, D)
 
 
@@ -123,10 +124,11 @@ def _check(x, weight, bias, other, name) -> None:
                          f"got {tuple(other.shape)} {other.dtype} on {other.device}")
 
 
-def _x_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """x [..., D] -> (x or a contiguous copy, NB, s_xa, s_xb): its i-th row of D at (i // NB) * s_xa + (i % NB) * s_xb.
-    Rows at one stride (e.g. the halves of a fused projection's output) or a 3-D [A, B, D] view with its last dim
-    contiguous (e.g. the heads of q split from a fused q/k/v projection) are read in place."""
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x [..., D] (x or the gate) -> (x or a contiguous copy, NB, s_a, s_b): its i-th row of D at (i // NB) * s_a +
+    (i % NB) * s_b. Rows at one stride (e.g. the halves of a fused projection's output) or a 3-D [A, B, D] view with
+    its last dim contiguous (e.g. the heads of q split from a fused q/k/v projection, GDN's z [T, HV, dv]) are read
+    in place."""
     D = x.shape[-1]
     if x.stride(-1) == 1:
         if x.dim() == 3 and x.shape[0] * x.shape[1] > 0:
@@ -140,15 +142,15 @@ def _x_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 def _launch(x, weight, bias, eps, one_plus, gate, res) -> torch.Tensor:
     """The kernel over x's rows; res = (residual, s) for `add_rms_norm`."""
     D = x.shape[-1]
-    xr, NB, s_xa, s_xb = _x_rows(x)
+    xr, NB, s_xa, s_xb = _rows(x)
     N = x.numel() // D
     y = torch.empty(N, D, dtype=x.dtype, device=x.device)
-    z2 = gate.reshape(-1, D).contiguous() if gate is not None else y
+    z2, NZ, s_za, s_zb = _rows(gate) if gate is not None else (y, 1, D, 0)
     r2, s2 = (res[0].reshape(-1, D).contiguous(), res[1].view(-1, D)) if res is not None else (y, y)
     if N:
         BD = triton.next_power_of_2(D)
         rms_norm_fwd_kernel[(N,)](xr, xr, weight.contiguous(), bias if bias is not None else weight, z2, r2, s2, y,
-                                  D, NB, s_xa, s_xb, eps, HAS_BIAS=bias is not None, ONE_PLUS=one_plus,
-                                  HAS_GATE=gate is not None, HAS_RES=res is not None, HAS_IDX=False, BD=BD,
-                                  num_warps=4 if BD <= 2048 else 8)
+                                  D, NB, s_xa, s_xb, NZ, s_za, s_zb, eps, HAS_BIAS=bias is not None,
+                                  ONE_PLUS=one_plus, HAS_GATE=gate is not None, HAS_RES=res is not None,
+                                  HAS_IDX=False, BD=BD, num_warps=4 if BD <= 2048 else 8)
     return y.view(x.shape)

@@ -250,8 +250,10 @@ def rehome_linears(linears) -> None:
             start += p.shape[0]
 
 
-# the projections one input feeds, by module name (Hugging Face targets and our drafters alike): one GEMM each
-FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# the projections one input feeds, by module name (Hugging Face targets and our drafters alike): one GEMM each;
+# the last is Qwen3.5's Gated DeltaNet input projections (mixed qkv, z, b, a)
+FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                 ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
 
 
 def rehome_model(model: torch.nn.Module) -> None:

@@ -3,7 +3,8 @@
 Layers are either gated full attention or Gated DeltaNet (GDN), as Hugging Face's modeling code computes them:
   attention  q_proj gives q and an output gate per head; q/k RMSNorm (weight 1 + w) per head; partial RoPE on the
              first `rotary_dim` channels; softmax attention; out = o_proj(attn * sigmoid(gate))
-  GDN        mixed qkv (and z, b, a) from the input projections; causal depthwise short conv (SiLU) on mixed qkv;
+  GDN        mixed qkv (and z, b, a) from the input projections (Qwen3.5: one GEMM, four column views of its
+             output, read in place); causal depthwise short conv (SiLU) on mixed qkv;
              beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); q, k L2-normalised, q scaled by K^-1/2,
              q/k heads repeated to the value heads; S = e^g (I - beta k k^T) S + beta k v^T, o = S^T q;
              out = out_proj(RMSNorm(o) * w * silu(z))
@@ -188,10 +189,8 @@ class AttnLayer:
 class GDNLayer:
     w_qkvz: torch.Tensor | None          # Qwen3-Next [2 Hk dk + 2 HV dv, H] (grouped per key head)
     w_ba: torch.Tensor | None            # Qwen3-Next [2 HV, H]
-    w_qkv: torch.Tensor | None           # Qwen3.5 [C, H]
-    w_z: torch.Tensor | None             # Qwen3.5 [HV dv, H]
-    w_b: torch.Tensor | None             # Qwen3.5 [HV, H]
-    w_a: torch.Tensor | None             # Qwen3.5 [HV, H]
+    w_in: torch.Tensor | None            # Qwen3.5 [C + HV dv + 2 HV, H]: mixed qkv, z, b, then a rows
+                                         # (`fused_rows`: one GEMM)
     conv: torch.Tensor                   # [C, W]
     conv_bias: torch.Tensor | None       # [C]
     A_log: torch.Tensor                  # [HV]
@@ -228,7 +227,7 @@ class GDNStash:
     anc: torch.Tensor | None = None      # [1, N, ceil(N/32)] int32 ancestor bitmask (triton)
     ext: list = field(default_factory=list)      # per GDN layer [W - 1 + N, C]: old conv state, then node inputs
     states: list = field(default_factory=list)   # per GDN layer [N, HV, K, V] (torch)
-    mixed: list = field(default_factory=list)    # per GDN layer [1, N, C] conv inputs (triton)
+    mixed: list = field(default_factory=list)    # per GDN layer [1, N, C] conv inputs (triton; a strided view)
     kernel: list = field(default_factory=list)   # per GDN layer tfm_kernels.gdn_tree.GDNTreeStash (triton)
 
 
@@ -291,9 +290,10 @@ class HybridModel(DenseModel):
                 mixer = GDNLayer(
                     w_qkvz=get(g + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, H), nx),
                     w_ba=get(g + "in_proj_ba.weight", (2 * hv, H), nx),
-                    w_qkv=get(g + "in_proj_qkv.weight", (C, H), not nx),
-                    w_z=get(g + "in_proj_z.weight", (hv * dv, H), not nx),
-                    w_b=get(g + "in_proj_b.weight", (hv, H), not nx), w_a=get(g + "in_proj_a.weight", (hv, H), not nx),
+                    w_in=fused_rows([get(g + "in_proj_qkv.weight", (C, H), not nx),
+                                     get(g + "in_proj_z.weight", (hv * dv, H), not nx),
+                                     get(g + "in_proj_b.weight", (hv, H), not nx),
+                                     get(g + "in_proj_a.weight", (hv, H), not nx)]),
                     conv=get(g + "conv1d.weight", (C, 1, c.conv_kernel)), conv_bias=get(g + "conv1d.bias", (C,), False),
                     A_log=get(g + "A_log", (hv,)), dt_bias=get(g + "dt_bias", (hv,)),
                     norm=get(g + "norm.weight", (dv,)),
@@ -351,7 +351,9 @@ class HybridModel(DenseModel):
         return F.linear(o * torch.sigmoid(gate.reshape(T, nh * D)), w.wo)
 
     def _gdn_inputs(self, w: GDNLayer, h):
-        """h [T, H] -> mixed qkv [T, C] (the conv input), z [T, HV, dv], b, a [T, HV]."""
+        """h [T, H] -> mixed qkv [T, C] (the conv input), z [T, HV, dv], b, a [T, HV]. Qwen3.5: one GEMM, the four
+        are column views of its output [T, C + HV dv + 2 HV] (rows C + HV dv + 2 HV apart, last dim contiguous),
+        which the conv, gate and norm kernels read in place."""
         c = self.cfg
         T, hk, hv, dk, dv = h.shape[0], c.gdn_k_heads, c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim
         if w.w_qkvz is not None:                          # Qwen3-Next: [q | k | v | z] and [b | a] per key head
@@ -360,8 +362,8 @@ class HybridModel(DenseModel):
             b, a = F.linear(h, w.w_ba).view(T, hk, 2 * r).split([r, r], dim=-1)
             mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
             return mixed, z.reshape(T, hv, dv), b.reshape(T, hv), a.reshape(T, hv)
-        return (F.linear(h, w.w_qkv), F.linear(h, w.w_z).view(T, hv, dv), F.linear(h, w.w_b),
-                F.linear(h, w.w_a))
+        mixed, z, b, a = F.linear(h, w.w_in).split([c.conv_dim, hv * dv, hv, hv], dim=-1)    # [T, .] views
+        return mixed, z.unflatten(-1, (hv, dv)), b, a
 
     def _gdn(self, w: GDNLayer, slot: int, h, tree: GDNStash):
         """GDN over the tree: h [N, H] -> [N, H]; reads the committed states of pool slot `slot`, writes nothing but

@@ -174,6 +174,8 @@ class StaticWeaverTreeBuilder:
         self.slot_int = torch.zeros(B, P, 3, **long)                            # [B, P, (parent, token, depth)]
         self.slot_flt = torch.zeros(B, P, 2, **f64)                             # [B, P, (score, log q)]
         self.slot_placed = torch.zeros(B, P, device=dev, dtype=torch.bool)      # [B, P]
+        self.slot_int[:, 0, 0], self.slot_placed[:, 0] = -1, True     # slot 0: the root (no parent, depth 0); no
+        # step writes it, so a build resets only its token
         self.count = torch.zeros(B, **long)                                     # [B]
         self.perm = torch.zeros(B, M, **long)                                   # [B, M]
         # the candidates' DFlash logits in the scoring's dtype (>= fp32), converted once per build, not per step
@@ -282,12 +284,8 @@ class StaticWeaverTreeBuilder:
         """Reset the buffers, then the root step."""
         self.weaver.prefix(h_final, dflash_hidden[:, :self.L], into=self.state)          # K/V into the state
         self.front_flt[:, :, 0].fill_(-math.inf)                               # empty frontier
-        self.slot_int[:, 0, 0].fill_(-1)
-        self.slot_int[:, 0, 1].copy_(roots)
-        self.slot_int[:, 0, 2].fill_(0)
-        self.slot_flt[:, 0].zero_()
-        self.slot_placed.zero_()                          # slots an earlier build's second phase filled
-        self.slot_placed[:, 0].fill_(True)
+        self.slot_int[:, 0, 1].copy_(roots)               # slot 0's parent, depth, score and log q are constant
+        self.slot_placed[:, 1:].zero_()                   # slots an earlier build's second phase filled
         self.count.fill_(1)
         root = roots[:, None]                                                  # [B, 1]
         h = self.weaver.step(self.state, root, self.root_depth, None, self.embed_weight,

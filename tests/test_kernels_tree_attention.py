@@ -82,6 +82,22 @@ def test_padded_nodes_and_requests():
 
 
 @pytest.mark.interpreter
+def test_tree_keys_and_values_with_their_own_strides(strided_copies):
+    """k_tree contiguous and v_tree a column slice of a wider row (as a fused q, k, v projection leaves it): read in
+    place (no copy), the same output as from contiguous copies."""
+    inp = make_inputs(2, 7, 4, 2, 16, 40, torch.float32)
+    B, N, Hkv, D = inp["v_tree"].shape
+    wide = torch.randn(B, N, 3 * Hkv * D + 5)
+    wide[..., 5 + Hkv * D: 5 + 2 * Hkv * D] = inp["v_tree"].reshape(B, N, Hkv * D)
+    v = wide[..., 5 + Hkv * D: 5 + 2 * Hkv * D].view(B, N, Hkv, D)                # rows 3 Hkv D + 5 apart
+    assert v.stride() != inp["k_tree"].stride()
+    o_strided, lse = tree_attention(**{**inp, "v_tree": v}, return_lse=True)
+    assert strided_copies == []
+    torch.testing.assert_close(o_strided, tree_attention(**inp), rtol=0, atol=0)
+    check_against_ref({**inp, "v_tree": v}, torch.float32)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("num_splits", [1, 2, 3])
 def test_split_kv_merge_equals_single_pass(num_splits):
     inp = make_inputs(2, 5, 4, 2, 16, 200, torch.float32, prefix_len=[200, 77])

@@ -38,7 +38,7 @@ def _attend_block(acc, m_i, l_i, b_q, b_kt, b_v, visible, qk_scale, DOT_PREC: tl
 def tree_attention_fwd_kernel(
     q, k_tree, v_tree, k_prefix, v_prefix, prefix_len, anc_bits, num_nodes,
     o, lse, qk_scale,
-    s_qb, s_qn, s_qh, s_tb, s_tn, s_th, s_pb, s_pn, s_ph, s_ab, s_an,
+    s_qb, s_qn, s_qh, s_tb, s_tn, s_th, s_vb, s_vn, s_vh, s_pb, s_pn, s_ph, s_ab, s_an,
     N, Hkv, CHUNK,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -77,14 +77,14 @@ def tree_attention_fwd_kernel(
     # Tree keys (last split only), masked by the inclusive ancestor bitmask.
     if i_s == tl.num_programs(2) - 1:
         kt = k_tree + i_b64 * s_tb + i_h * s_th
-        vt = v_tree + i_b64 * s_tb + i_h * s_th
+        vt = v_tree + i_b64 * s_vb + i_h * s_vh
         pa = anc_bits + i_b64 * s_ab + o_node[:, None] * s_an
         hi_t = tl.minimum(n, (i_m * BLOCK_M + BLOCK_M - 1) // G + 1)
         for start in range(0, hi_t, BLOCK_N):
             o_n = start + tl.arange(0, BLOCK_N)
             m_n = o_n < n
             b_kt = tl.load(kt + o_n[None, :] * s_tn + o_d[:, None], mask=m_n[None, :] & m_d[:, None], other=0.0)
-            b_v = tl.load(vt + o_n[:, None] * s_tn + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
+            b_v = tl.load(vt + o_n[:, None] * s_vn + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
             m_rn = m_row[:, None] & m_n[None, :]
             b_w = tl.load(pa + (o_n // 32)[None, :], mask=m_rn, other=0)  # [BM, BN] int32 words
             visible = (((b_w >> (o_n % 32)[None, :]) & 1) != 0) & m_rn
@@ -203,6 +203,7 @@ def tree_attention_fwd(q, k_tree, v_tree, k_prefix, v_prefix, prefix_len, anc_bi
         q, k_tree, v_tree, k_prefix, v_prefix, prefix_len, anc_bits, num_nodes,
         o_k, lse_k, sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_tree.stride(0), k_tree.stride(1), k_tree.stride(2),
+        v_tree.stride(0), v_tree.stride(1), v_tree.stride(2),
         k_prefix.stride(0), k_prefix.stride(1), k_prefix.stride(2), anc_bits.stride(0), anc_bits.stride(1),
         N, Hkv, cfg["chunk"],
         G=G, D=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
@@ -242,7 +243,8 @@ def tree_attention(
 
     Args:
         q: [B, N, Hq, D] (already RoPE'd at positions prefix_len + depth). fp16 / bf16 / fp32.
-        k_tree, v_tree: [B, N, Hkv, D], the nodes' own keys and values, same dtype as q.
+        k_tree, v_tree: [B, N, Hkv, D], the nodes' own keys and values, same dtype as q (each its own strides, the
+            last dim contiguous: e.g. v a view of a fused qkv projection's output, read in place).
         k_prefix, v_prefix: [B, Lmax, Hkv, D], contiguous committed KV (Lmax may be 0).
         prefix_len: int [B], 0 <= prefix_len[b] <= Lmax.
         anc: inclusive ancestor relation of each tree, either bool [B, N, N] or a bitmask
@@ -285,7 +287,7 @@ def tree_attention(
                          f"{tuple(prefix_len.shape)} and {tuple(num_nodes.shape)}")
     anc_bits = _as_bitmask(anc, B, N)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    k_tree, v_tree = _same_layout(k_tree, v_tree)
+    k_tree, v_tree = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_tree, v_tree))   # each its own strides
     k_prefix, v_prefix = _same_layout(k_prefix, v_prefix)
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     tuning = TreeAttentionTuning.for_shape(N, Hq // Hkv, D, q.element_size()) if tuning is None else tuning

@@ -2,6 +2,7 @@
 
     git worktree add /tmp/base <rev>   # or: git archive <rev> tfm_runtime tfm_kernels | tar -x -C /tmp/base
     python -m benchmarks.runtime.step_ab --base /tmp/base --base-rev <rev> --out benchmarks/results/step_ab_h100.json
+    python -m benchmarks.runtime.step_ab --base /tmp/base --also main=/tmp/main ...   # more codes in the same turns
 
 Each code runs in its own process (its `tfm_runtime` and `tfm_kernels` first on PYTHONPATH), `--runs` times in turn,
 and measures with CUDA graphs, bf16, batch 1: the AR decode step and the verify of a 65-node tree of a random
@@ -107,6 +108,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", help="a checkout of the code to compare with (its tfm_runtime/ and tfm_kernels/)")
     ap.add_argument("--base-rev", help="the base's git revision, for the results file (default: read from --base)")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=DIR",
+                    help="another checkout measured in the same turns (repeatable); its ratios are against the base")
     ap.add_argument("--runs", type=int, default=2, help="alternating runs of each code")
     ap.add_argument("--reps", type=int, default=300, help="timed calls per figure")
     ap.add_argument("--device", default="cuda")
@@ -120,23 +123,34 @@ def main(argv=None) -> None:
         ap.error("--base is required")
     sys.path.insert(0, REPO)
     from benchmarks.common import env, write_results
+    codes = [("base", os.path.abspath(args.base))]
+    for item in args.also:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or name in ("base", "head") or not os.path.isdir(folder):
+            ap.error(f"--also takes NAME=DIR with an existing DIR and a NAME other than base / head, got {item!r}")
+        codes.append((name, os.path.abspath(folder)))
+    codes.append(("head", REPO))
     rows = []
     for _ in range(args.runs):
-        for tag, code in (("base", os.path.abspath(args.base)), ("head", REPO)):
+        for tag, code in codes:
             rows.append(run_child(tag, code, args.reps, args.device))
             print(json.dumps(rows[-1]), flush=True)
-    keys = [k for k in rows[0] if k.endswith("_ms")]
+    tags = [tag for tag, _ in codes]
+    keys = [k for k in rows[0] if k.endswith("_ms") and all(k in r for r in rows)]
     median = {tag: {k: round(statistics.median(r[k] for r in rows if r["code"] == tag), 4) for k in keys}
-              for tag in ("base", "head")}
-    ratio = {k: round(median["head"][k] / median["base"][k], 3) for k in keys}
+              for tag in tags}
+    ratios = {tag: {k: round(median[tag][k] / median["base"][k], 3) for k in keys} for tag in tags[1:]}
     rev = args.base_rev or subprocess.run(["git", "-C", args.base, "rev-parse", "--short", "HEAD"],
                                           capture_output=True, text=True).stdout.strip() or None
-    print(f"{'figure':<18}{'base ms':>10}{'head ms':>10}{'head/base':>11}")
+    print(f"{'figure':<18}" + "".join(f"{t + ' ms':>12}" for t in tags)
+          + "".join(f"{t + '/base':>13}" for t in tags[1:]))
     for k in keys:
-        print(f"{k:<18}{median['base'][k]:>10.3f}{median['head'][k]:>10.3f}{ratio[k]:>11.3f}")
+        print(f"{k:<18}" + "".join(f"{median[t][k]:>12.3f}" for t in tags)
+              + "".join(f"{ratios[t][k]:>13.3f}" for t in tags[1:]))
     if args.out:
-        write_results(args.out, {"env": env(), "base_revision": rev, "rows": rows, "median": median,
-                                 "head_over_base": ratio})
+        write_results(args.out, {"env": env(), "base_revision": rev, "also": dict(codes[1:-1]), "rows": rows,
+                                 "median": median, "head_over_base": ratios["head"],
+                                 **({"over_base": ratios} if len(tags) > 2 else {})})
 
 
 if __name__ == "__main__":

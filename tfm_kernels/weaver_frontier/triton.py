@@ -166,18 +166,18 @@ def weaver_finish_kernel(slot_int, slot_flt, slot_placed, front_flt, last_active
     o_p = tl.arange(0, BP)
     m_p = o_p < P
     placed = (tl.load(slot_placed + b * P + o_p, mask=m_p, other=0) != 0) & m_p                # [BP]
-    node = tl.cumsum(placed.to(tl.int64), axis=0) - 1                                          # [BP]
+    node = (tl.cumsum(placed.to(tl.int32), axis=0) - 1).to(tl.int64)                           # [BP]
     count = tl.sum(placed.to(tl.int64), axis=0)
     ps = tl.load(slot_int + (b * P + o_p) * 3, mask=placed, other=-1)                         # parent slot
     tok = tl.load(slot_int + (b * P + o_p) * 3 + 1, mask=placed, other=0)
     dep = tl.load(slot_int + (b * P + o_p) * 3 + 2, mask=placed, other=0)
     lq = tl.load(slot_flt + (b * P + o_p) * 2 + 1, mask=placed, other=0.)
     pn = tl.full([BP], -1, tl.int64)                                                           # parent node
-    run = tl.sum(tl.zeros([BJ], dtype=tl.int64), axis=0)                                       # placed before j0
+    run = tl.zeros([], dtype=tl.int64)                                                         # placed before j0
     for j0 in range(0, P, BJ):
         o_j = j0 + tl.arange(0, BJ)
         pj = (tl.load(slot_placed + b * P + o_j, mask=o_j < P, other=0) != 0) & (o_j < P)      # [BJ]
-        nj = run + tl.cumsum(pj.to(tl.int64), axis=0) - 1                                      # [BJ] node ids
+        nj = run + tl.cumsum(pj.to(tl.int32), axis=0).to(tl.int64) - 1                         # [BJ] node ids
         hit = ps[:, None] == o_j[None, :]                                                      # [BP, BJ]
         pn = tl.where(tl.sum(hit.to(tl.int32), axis=1) > 0, tl.sum(tl.where(hit, nj[None, :], 0), axis=1), pn)
         run += tl.sum(pj.to(tl.int64), axis=0)

@@ -174,8 +174,8 @@ class StaticWeaverTreeBuilder:
         self.slot_int = torch.zeros(B, P, 3, **long)                            # [B, P, (parent, token, depth)]
         self.slot_flt = torch.zeros(B, P, 2, **f64)                             # [B, P, (score, log q)]
         self.slot_placed = torch.zeros(B, P, device=dev, dtype=torch.bool)      # [B, P]
-        self.slot_int[:, 0, 0], self.slot_placed[:, 0] = -1, True     # slot 0: the root (no parent, depth 0); no
-        # step writes it, so a build resets only its token
+        # slot 0 is the root (no parent, depth 0, score and log q 0): no step writes it, a build sets only its token
+        self.slot_int[:, 0, 0], self.slot_placed[:, 0] = -1, True
         self.count = torch.zeros(B, **long)                                     # [B]
         self.perm = torch.zeros(B, M, **long)                                   # [B, M]
         # the candidates' DFlash logits in the scoring's dtype (>= fp32), converted once per build, not per step

@@ -7,9 +7,11 @@
 Each code runs in its own process (its `tfm_runtime` and `tfm_kernels` first on PYTHONPATH), `--runs` times in turn,
 and measures with CUDA graphs, bf16, batch 1: the AR decode step and the verify of a 65-node tree of a random
 SmolLM2-135M-shaped target (`GraphedTarget`, 128 committed tokens), the captured ancestor masks of a 65-node tree
-(`ancestor_masks`, as FastDecoder replays them after each build), and the captured first phase of the Weaver tree
+(`ancestor_masks`, as FastDecoder replays them after each build), the captured first phase of the Weaver tree
 build at budget 64 and widths 4 / 8 / 16 (`StaticWeaverTreeBuilder`, a random Weaver in the SmolLM2 recipe's shape,
-K = 512 candidates at 15 depths). Random weights: the costs depend on the shapes only. The table ends with each
+K = 512 candidates at 15 depths), and whole `FastDecoder` steps with that Weaver at width 8 and a random DFlash
+drafter in the committed one's shape (`weaver64_w8_step_ms`: draft, build, verify and commit with the host's part,
+about one token per step). Random weights: the costs depend on the shapes only. The table ends with each
 figure's median per code and the ratio of this checkout's to the base's.
 """
 from __future__ import annotations
@@ -57,7 +59,8 @@ def measure(tag: str, reps: int, device: str) -> dict:
     with open(CONFIG) as f:
         cfg = LlamaConfig.from_dict(json.load(f))
     torch.manual_seed(0)
-    model = DenseModel.from_hf(LlamaForCausalLM(cfg).to(device, dt).eval(), max_seq_len=1024)
+    hf = LlamaForCausalLM(cfg).to(device, dt).eval()
+    model = DenseModel.from_hf(hf, max_seq_len=1024)
     graphed = GraphedTarget(model, (65,))
     row = {"code": tag, "tfm_runtime": os.path.dirname(os.path.dirname(tfm_runtime.__file__))}
     with torch.no_grad():
@@ -92,6 +95,20 @@ def measure(tag: str, reps: int, device: str) -> dict:
             if cuda:
                 b.capture(*args)
             row[f"build64_w{width}_ms"] = timed(lambda: b.build(*args, finish=False), min(reps, 200))
+        # whole FastDecoder steps as the decoder runs them, host included: draft, the Weaver(64) build at width 8,
+        # verify, commit (greedy; random weights, so about one token per step)
+        from tfm_runtime.fast.decoder import FastDecoder
+        from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
+        from tfm_runtime.models.target import TargetModel
+        with open(os.path.join(REPO, "assets", "smollm2-135m-instruct", "dflash-b16", "config.json")) as f:
+            torch.manual_seed(1)
+            drafter = DFlashDrafter(DFlashConfig.from_hf_dict(json.load(f))).to(device, dt).eval()
+        dec = FastDecoder(TargetModel(hf, drafter.cfg.target_layer_ids), drafter, weaver, tree_budget=64, width=8,
+                          cuda_graphs=cuda, max_seq_len=1024)
+        prompt = torch.randint(0, V, (128,), generator=g)
+        dec.generate(prompt, max_new_tokens=16)                  # captures the graphs
+        out = dec.generate(prompt, max_new_tokens=min(reps, 256) if cuda else 4)
+        row["weaver64_w8_step_ms"] = 1e3 * out.stats.seconds["step"] / out.stats.verify_steps
     return row
 
 

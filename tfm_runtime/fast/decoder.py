@@ -232,8 +232,8 @@ class FastDecoder:
             start += A
             if tree is None:                                  # the Tree is built and checked next round
                 unchecked = packed
-                new += packed[0, accepted[1:]].tolist() + [int(bonus)]
-                stats.tree_sizes.append(int(packed[4, 0]))
+                new += self._tokens(packed, accepted[1:]) + [int(bonus)]
+                stats.tree_sizes.append(self._node_count(packed))
             else:
                 new += tree.tokens[accepted[1:]].tolist() + [int(bonus)]
                 stats.tree_sizes.append(tree.num_nodes)
@@ -357,10 +357,20 @@ class FastDecoder:
         return bool(host[4, 1])
 
     @staticmethod
+    def _node_count(host: torch.Tensor) -> int:
+        """`_pack`'s tensor, on the host -> the tree's node count."""
+        return int(host[4, 0])
+
+    @staticmethod
+    def _tokens(host: torch.Tensor, ids: list[int]) -> list[int]:
+        """`_pack`'s tensor, on the host -> the tokens of nodes `ids`."""
+        return host[0, ids].tolist()
+
+    @staticmethod
     def _greedy_path(host: torch.Tensor) -> tuple[list[int], int]:
         """`_pack`'s tensor with the argmax row, on the host -> the greedy verifier's accepted node ids and bonus,
         read off the ids without building the `Tree`."""
-        n = int(host[4, 0])
+        n = FastDecoder._node_count(host)
         return greedy_path(host[0, :n].tolist(), host[1, :n].tolist(), host[5, :n].tolist())
 
     def _read_packed(self, trees, logits: torch.Tensor | None) -> torch.Tensor:

@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tfm_kernels.tree_ancestors import ancestors_ref, tree_ancestors
 from tfm_kernels.weaver_frontier import finish as fused_finish
 from tfm_kernels.weaver_frontier import finish_ref, place_ref, push_ref
 from tfm_kernels.weaver_frontier import place as fused_place
@@ -353,17 +354,10 @@ class StaticWeaverTreeBuilder:
 
 def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """parents [B, N] long (-1 at roots and padding) -> [B, N, N] bool, inclusive: row i is True at i and its
-    ancestors, for trees at most `max_depth` deep (e.g. the lookahead L). The closure of "i or its parent" by
-    repeated squaring: ceil(log2(max_depth)) matmuls of 0/1 matrices (exact in float32: sums <= N), no host reads,
-    so a padded row of `WeaverTrees` gives its padding nodes a row that sees only themselves (as `graphs.pad_tree`).
-    Elementwise ops and matmuls only (no value checks that read the host): capturable in a CUDA graph. On CUDA one
-    launch of `tfm_kernels.tree_ancestors` (each row follows its parent chain), which gives the same masks."""
+    ancestors, for trees at most `max_depth` deep (e.g. the lookahead L), so a padded row of `WeaverTrees` gives its
+    padding nodes a row that sees only themselves (as `graphs.pad_tree`). No host reads (capturable in a CUDA graph):
+    on CUDA one launch of `tfm_kernels.tree_ancestors`, elsewhere its torch reference (each row follows its parent
+    chain `max_depth` steps)."""
     if parents.is_cuda:
-        from tfm_kernels.tree_ancestors import tree_ancestors
         return tree_ancestors(parents, max_depth)
-    B, N = parents.shape
-    step = (parents[..., None] == torch.arange(N, device=parents.device)) & (parents >= 0)[..., None]  # [B, N, N]
-    reach = (step | torch.eye(N, dtype=torch.bool, device=parents.device)).float()       # [B, N, N] <= 1 level
-    for _ in range(max(0, math.ceil(math.log2(max(max_depth, 1))))):
-        reach = (reach @ reach).clamp_(max=1.0)                                           # <= 2x the levels
-    return reach.bool()
+    return ancestors_ref(parents, max_depth)

@@ -8,7 +8,7 @@
 #   python -m pipelines.prompts --out .carry/prompts and move sharegpt_train.jsonl out of it (not needed here)
 #   benchmarks/results/acceptance.json as .carry/acceptance_seed.json (a resumed run redoes what is not `finished`)
 # Calls (move assets/ aside for steps 1 and 2, back for 3 and 4):
-#   STEP=1 carry .whl .gguf1   GPU tests of the fast backend and kernels (RANDOM_BENCH=1, with assets/ in place:
+#   STEP=1 carry .whl .gguf1   GPU tests of the fast backend and kernels (TESTS1=0: none; RANDOM_BENCH=1, with assets/ in place:
 #                              also runtime_bench on random weights)
 #   STEP=2 carry .gguf2 .carry join and prepare the target (ROLLOUT=1: rollout_bench with its correctness check)
 #   STEP=3                     runtime_bench on the real target: PROMPTS (12) MT-Bench first turns, 256 tokens, with a
@@ -52,11 +52,13 @@ acc() {   # the acceptance benchmark in the time left, resumed from /root/work/a
 case ${STEP:-1} in
 1)  python3 -m benchmarks.gpu.wheels /root/site transformers gguf >"$OUT/wheels.log" 2>&1 || cat "$OUT/wheels.log"
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/session.txt" 2>&1
-    timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_*.py tests/test_rollout_gpu.py \
-      tests/test_kernels_rms_norm_rope.py tests/test_kernels_weaver_frontier.py tests/test_kernels_swiglu.py \
-      tests/test_kernels_candidate_logits.py >"$OUT/tests.log" 2>&1
-    echo "tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/session.txt"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
+    if [ "${TESTS1:-1}" = 1 ]; then                  # TESTS1=0: the tests ran in this session already (STEP=8)
+      timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_*.py tests/test_rollout_gpu.py \
+        tests/test_kernels_rms_norm_rope.py tests/test_kernels_weaver_frontier.py tests/test_kernels_swiglu.py \
+        tests/test_kernels_candidate_logits.py >"$OUT/tests.log" 2>&1
+      echo "tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/session.txt"
+      grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
+    fi
     [ "${RANDOM_BENCH:-0}" = 1 ] || { echo "step 1 done ($(( $(date +%s) - T0 )) s)"; exit 0; }
     timeout "$(left 400)" python3 -m benchmarks.runtime.runtime_bench --prompts 2 --new-tokens 64 --budgets 16 32 64 \
       --graphs on --weaver-steps 16 8 4 --build-reps 10 --check-prompts 1 --out "$OUT/runtime_random.json" \

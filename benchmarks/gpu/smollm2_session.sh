@@ -8,7 +8,7 @@
 #   python -m pipelines.prompts --out .carry/prompts and move sharegpt_train.jsonl out of it (not needed here)
 #   benchmarks/results/acceptance.json as .carry/acceptance_seed.json (a resumed run redoes what is not `finished`)
 # Calls (move assets/ aside for steps 1 and 2, back for 3 and 4):
-#   STEP=1 carry .whl .gguf1   GPU tests of the fast backend and kernels (TESTS1=0: none; RANDOM_BENCH=1, assets/ in place:
+#   STEP=1 carry .whl .gguf1   GPU tests of the fast backend and kernels (TESTS1=0: none; RANDOM_BENCH=1 with assets/:
 #                              also runtime_bench on random weights)
 #   STEP=2 carry .gguf2 .carry join and prepare the target (ROLLOUT=1: rollout_bench with its correctness check)
 #   STEP=3                     runtime_bench on the real target: PROMPTS (12) MT-Bench first turns, 256 tokens, with a

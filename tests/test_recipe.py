@@ -40,9 +40,9 @@ def _write_recipe(folder, steps=300):
 @pytest.mark.slow
 def test_a_signal_stops_cleanly_and_the_same_command_resumes_to_the_end(tmp_path):
     """SIGTERM to the driver (what a preempting scheduler or the deadline does) stops training at a checkpoint with
-    exit 3; the same command resumes from it. The signal goes once training has checkpointed, so the test does not
-    race the machine's speed."""
-    recipe, work = _write_recipe(tmp_path / "r", steps=200), str(tmp_path / "work")
+    exit 3; the same command resumes from it. The signal goes once training has checkpointed (step 10), so the test
+    does not race the machine's speed; 90 more steps (about 5 s here) leave the signal ample time to arrive."""
+    recipe, work = _write_recipe(tmp_path / "r", steps=100), str(tmp_path / "work")
     r = _driver("--recipe", recipe, "--work", work, "--until", "shards", "--collect-args=--no-ray")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(os.listdir(os.path.join(work, "done"))) == ["shards.json"]

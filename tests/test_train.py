@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from train_runs import split_outputs
+
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,16 +77,39 @@ def _collect(d):
         torch.set_num_threads(threads)
 
 
-# ---- 1. deepspeed launcher, 2 processes, ZeRO-2 ---------------------------------------------------------------
-def test_two_process_zero2_lowers_loss_and_raises_simulated_acceptance(data, tmp_path):
-    from tfm_runtime import load_adapter
-    run = str(tmp_path / "run")
-    cfg = _write(tmp_path / "train.json", {**WEAVER, "data": [str(data / "anchors")], "output_dir": run, "steps": 60,
-                                           "micro_batch": 8, "grad_accum": 2, "zero_stage": 2, "eval_every": 30,
-                                           "eval_rows": 64, "checkpoint_every": 20, "keep_last": 1, "log_every": 1})
+# ---- 1. deepspeed launcher, 2 processes: ZeRO-2, and ZeRO-1/2 clipped by the optimizer --------------------------
+def _clipped(data) -> dict:
+    """Test 1b's runs: a clip of 0.05 binds at every step."""
+    return {**WEAVER, "data": [str(data / "anchors")], "steps": 8, "micro_batch": 8, "eval_every": 1000,
+            "eval_rows": 16, "eval_budgets": [4], "checkpoint_every": 1000, "log_every": 1, "precision": "fp32",
+            "grad_clip": 0.05}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(data, build_once):
+    """The 2-process runs of tests 1 and 1b, trained in turn by one deepspeed launch (tests/train_runs.py: a launch
+    starts three interpreters, each importing torch and DeepSpeed, which costs more than these short runs), once
+    per test run: zero2/ (test 1), clip_zero1/ and clip_zero2/ (test 1b)."""
+    return build_once("two_ranks", lambda d: _train_two_ranks(d, data))
+
+
+def _train_two_ranks(d, data) -> None:
+    zero2 = {**WEAVER, "data": [str(data / "anchors")], "output_dir": str(d / "zero2"), "steps": 60,
+             "micro_batch": 8, "grad_accum": 2, "zero_stage": 2, "eval_every": 30, "eval_rows": 64,
+             "checkpoint_every": 20, "keep_last": 1, "log_every": 1}
+    cfgs = [_write(d / "zero2.json", zero2)]
+    for stage in (1, 2):
+        cfgs.append(_write(d / f"clip_zero{stage}.json", {**_clipped(data), "output_dir": str(d / f"clip_zero{stage}"),
+                                                           "zero_stage": stage, "grad_accum": 2}))
     r = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port",
-              str(_port()), "--module", "pipelines.train", "--config", cfg, "--no-progress"])
+              str(_port()), os.path.join(REPO, "tests", "train_runs.py"), *cfgs], PYTHONPATH=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert [rc for rc, _ in split_outputs(r.stderr)] == [0] * 2 * len(cfgs), r.stderr[-5000:]    # per rank
+
+
+def test_two_process_zero2_lowers_loss_and_raises_simulated_acceptance(two_ranks):
+    from tfm_runtime import load_adapter
+    run = str(two_ranks / "zero2")
     with open(os.path.join(run, "summary.json")) as f:
         summary = json.load(f)
     assert summary["world_size"] == 2 and summary["steps"] == 60
@@ -129,27 +154,18 @@ def _port() -> int:
 
 
 # ---- 1b. ZeRO-1/2 on 2 ranks, clipped by the optimizer, against one rank clipped by DeepSpeed --------------------
-def test_two_process_own_clipping_matches_deepspeed_clipping(data, tmp_path):
+def test_two_process_own_clipping_matches_deepspeed_clipping(data, two_ranks, tmp_path):
     """ZeRO 1 and 2 hand the optimizer each rank's half of the flat gradients; ClippedAdamW all-reduces the squared
     norm. A clip of 0.05 binds at every step, so a wrong norm changes the trajectory (without the all-reduce the loss
     moved by 1.6e-4 by step 6): the 2-rank runs (micro 8 x accum 2 x 2 ranks, ZeRO 1 and 2) must follow the 1-rank
     ZeRO-0 run (micro 8 x accum 4), whose clipping is DeepSpeed's."""
-    base = {**WEAVER, "data": [str(data / "anchors")], "steps": 8, "micro_batch": 8, "eval_every": 1000,
-            "eval_rows": 16, "eval_budgets": [4], "checkpoint_every": 1000, "log_every": 1, "precision": "fp32",
-            "grad_clip": 0.05}
     one = str(tmp_path / "one")
     r = _run([sys.executable, "-m", "pipelines.train", "--no-progress", "--config",
-              _write(tmp_path / "one.json", {**base, "output_dir": one, "zero_stage": 0, "grad_accum": 4})])
+              _write(tmp_path / "one.json", {**_clipped(data), "output_dir": one, "zero_stage": 0, "grad_accum": 4})])
     assert r.returncode == 0, r.stderr[-5000:]
     a = [x for x in _metrics(one) if x["kind"] == "train"]
     for stage in (1, 2):
-        two = str(tmp_path / f"two_zero{stage}")
-        r = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port",
-                  str(_port()), "--module", "pipelines.train", "--no-progress", "--config",
-                  _write(tmp_path / f"two{stage}.json", {**base, "output_dir": two, "zero_stage": stage,
-                                                         "grad_accum": 2})])
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-        b = [x for x in _metrics(two) if x["kind"] == "train"]
+        b = [x for x in _metrics(str(two_ranks / f"clip_zero{stage}")) if x["kind"] == "train"]
         assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(1, 9)), stage
         assert min(y["grad_norm"] for y in b) > 0.05, stage                         # clipping bound every step
         assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) <= 1e-5, stage
@@ -157,20 +173,22 @@ def test_two_process_own_clipping_matches_deepspeed_clipping(data, tmp_path):
 
 # ---- 2. SIGKILL after a checkpoint, or SIGTERM, then resume: the same loss trace -------------------------------------
 def test_resume_after_sigkill_or_sigterm_gives_the_uninterrupted_loss_trace(data, tmp_path):
+    """A run SIGKILLed after its step-20 checkpoint, and one stopped by SIGTERM (a preempting scheduler: a checkpoint
+    at the next step boundary, exit code 143), each resumed by the same config, log the loss trace of an
+    uninterrupted run. The interrupted runs are processes of their own; the two resumptions and then the
+    uninterrupted run share one interpreter (tests/train_runs.py), the first resumption coming first in it."""
     base = {**WEAVER, "data": [str(data / "anchors")], "steps": 40, "micro_batch": 8, "grad_accum": 2,
             "eval_every": 30, "eval_rows": 16, "eval_budgets": [4], "checkpoint_every": 20, "log_every": 1,
             "precision": "fp32"}
     ref = str(tmp_path / "ref")
-    cfg = _write(tmp_path / "ref.json", {**base, "output_dir": ref})
-    r = _run([sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"])
-    assert r.returncode == 0, r.stderr[-5000:]
+    ref_cfg = _write(tmp_path / "ref.json", {**base, "output_dir": ref})
 
-    run = str(tmp_path / "killed")
-    cfg = _write(tmp_path / "killed.json", {**base, "output_dir": run})
-    cmd = [sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"]
+    killed = str(tmp_path / "killed")
+    killed_cfg = _write(tmp_path / "killed.json", {**base, "output_dir": killed})
     log = open(tmp_path / "killed.log", "w")
-    p = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-    latest = os.path.join(run, "checkpoints", "latest.json")
+    p = subprocess.Popen([sys.executable, "-m", "pipelines.train", "--config", killed_cfg, "--no-progress"],
+                         cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    latest = os.path.join(killed, "checkpoints", "latest.json")
     t_end = time.monotonic() + 300
     while time.monotonic() < t_end and p.poll() is None:
         try:
@@ -184,33 +202,18 @@ def test_resume_after_sigkill_or_sigterm_gives_the_uninterrupted_loss_trace(data
     p.wait(timeout=60)
     log.close()
     assert p.returncode == -signal.SIGKILL, open(tmp_path / "killed.log").read()[-3000:]
-    assert not os.path.exists(os.path.join(run, "summary.json"))                    # it died mid-run
-    r = _run(cmd)
-    assert r.returncode == 0, r.stderr[-5000:]
-    assert "resumed from step-00000020" in r.stderr
+    assert not os.path.exists(os.path.join(killed, "summary.json"))                 # it died mid-run
 
-    def trace(path):
-        return [(x["step"], x["loss"]) for x in _metrics(path) if x["kind"] == "train"]
-
-    a, b = trace(ref), trace(run)
-    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 41))                # no step twice, none missing
-    assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) <= 1e-5
-    from tfm_runtime.models.common import load_safetensors_dir
-    _, wa = load_safetensors_dir(os.path.join(ref, "final"))
-    _, wb = load_safetensors_dir(os.path.join(run, "final"))
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-5)
-
-    # SIGTERM (a preempting scheduler): a checkpoint at the next step boundary, exit code 143, then resume. Logged
-    # every 3 steps, so the loop reads most steps' loss and stop flag one step late (the lagged path).
-    run = str(tmp_path / "preempted")
-    cfg = _write(tmp_path / "preempted.json", {**base, "output_dir": run, "checkpoint_every": 1000, "log_every": 3})
-    cmd = [sys.executable, "-m", "pipelines.train", "--config", cfg, "--no-progress"]
-    p = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # SIGTERM: logged every 3 steps, so the loop reads most steps' loss and stop flag one step late (the lagged path).
+    preempted = str(tmp_path / "preempted")
+    preempted_cfg = _write(tmp_path / "preempted.json", {**base, "output_dir": preempted, "checkpoint_every": 1000,
+                                                          "log_every": 3})
+    p = subprocess.Popen([sys.executable, "-m", "pipelines.train", "--config", preempted_cfg, "--no-progress"],
+                         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t_end = time.monotonic() + 300
     while time.monotonic() < t_end and p.poll() is None:
         try:
-            if sum(x["kind"] == "train" for x in _metrics(run)) >= 3:
+            if sum(x["kind"] == "train" for x in _metrics(preempted)) >= 3:
                 p.send_signal(signal.SIGTERM)
                 break
         except (FileNotFoundError, ValueError, KeyError):
@@ -218,13 +221,32 @@ def test_resume_after_sigkill_or_sigterm_gives_the_uninterrupted_loss_trace(data
         time.sleep(0.02)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 143, out[-3000:]
-    with open(os.path.join(run, "checkpoints", "latest.json")) as f:
+    with open(os.path.join(preempted, "checkpoints", "latest.json")) as f:
         stopped = json.load(f)["step"]
     assert 3 <= stopped < 40 and "checkpoint saved" in out
-    assert not os.path.exists(os.path.join(run, "final")) and not os.path.exists(os.path.join(run, "summary.json"))
-    r = _run(cmd)
-    assert r.returncode == 0 and f"resumed from step-{stopped:08d}" in r.stderr, r.stderr[-3000:]
-    c = trace(run)
+    assert not os.path.exists(os.path.join(preempted, "final"))
+    assert not os.path.exists(os.path.join(preempted, "summary.json"))
+
+    r = _run([sys.executable, os.path.join(REPO, "tests", "train_runs.py"), killed_cfg, preempted_cfg, ref_cfg],
+             PYTHONPATH=REPO)
+    assert r.returncode == 0, r.stderr[-5000:]
+    (rc_killed, out_killed), (rc_preempted, out_preempted), (rc_ref, _) = split_outputs(r.stderr)
+    assert (rc_killed, rc_preempted, rc_ref) == (0, 0, 0), r.stderr[-5000:]
+    assert "resumed from step-00000020" in out_killed, out_killed[-3000:]
+    assert f"resumed from step-{stopped:08d}" in out_preempted, out_preempted[-3000:]
+
+    def trace(path):
+        return [(x["step"], x["loss"]) for x in _metrics(path) if x["kind"] == "train"]
+
+    a, b = trace(ref), trace(killed)
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 41))                # no step twice, none missing
+    assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) <= 1e-5
+    from tfm_runtime.models.common import load_safetensors_dir
+    _, wa = load_safetensors_dir(os.path.join(ref, "final"))
+    _, wb = load_safetensors_dir(os.path.join(killed, "final"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-5)
+    c = trace(preempted)
     assert [s for s, _ in c] == [s for s in range(1, 41) if s % 3 == 0 or s == 40]
     assert max(abs(x - dict(a)[s]) for s, x in c) <= 1e-5
 

@@ -9,7 +9,7 @@ checked against the card's 227 KiB per block. The runtime runs on CPU tensors at
   hybrid target at the Qwen3.6-27B GDN / attention head shapes (small hidden size): prefill, tree verify at 17 / 33
   / 65 / 129 nodes, commit, decode (gdn="triton", tree attention); a dense target at SmolLM2-135M's shapes: tree
   verify, commit, decode; the static Weaver tree build (SmolLM2 and Qwen3.6-27B presets, budgets 32 / 64 / 128,
-  widths 2-16) with its frontier kernels, Weaver steps and candidate scoring; ancestor masks.
+  widths 2-16) with its frontier kernels, Weaver steps and candidate scoring; ancestor masks and their packing.
 
 Kernel outputs are left unwritten (their buffers hold whatever they held): only compilation is checked, the results
 are the GPU tests' business. The runtime's CUDA checks (`inference_kernel_ok`, `is_cuda` guards, the device's SM
@@ -143,10 +143,11 @@ def _dense(dtype, log) -> None:
 @torch.no_grad()
 def _target(model, name: str, log, ancestor_masks) -> None:
     model.prefill(torch.randint(0, 1000, (40,)))
+    from tfm_kernels.pack_bits import pack_bits
     from tfm_kernels.tree_ancestors import tree_ancestors
     for n in (17, 33, 65, 129):
         parents = torch.arange(-1, n - 1)[None]                                       # [1, n] a chain
-        tree_ancestors(parents, 15)
+        pack_bits(tree_ancestors(parents, 15))
         anc = ancestor_masks(parents, 15)[0]                                          # [n, n] (the reference)
         model.verify_tree(torch.randint(0, 1000, (n,)), torch.arange(n).clamp(max=15), anc, 40)
     model.commit(torch.tensor([40]), torch.tensor([0, 1, 2]))

@@ -202,6 +202,16 @@ def rope_into_cache(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, co
     return q, k
 
 
+def tree_bits(anc: torch.Tensor) -> torch.Tensor:
+    """anc [N, N] bool, a tree's ancestor mask -> its rows packed into int32 words [1, N, ceil(N/32)], the form the
+    tree kernels read: one launch of `tfm_kernels.pack_bits` on CUDA, its torch reference elsewhere."""
+    if anc.is_cuda:
+        from tfm_kernels.pack_bits import pack_bits
+        return pack_bits(anc.contiguous()[None])
+    from tfm_kernels.tree_utils import pack_bits
+    return pack_bits(anc[None])
+
+
 def checked_weight(state: dict[str, torch.Tensor], missing: list[str], name: str, shape, needed: bool = True):
     """state[name] detached, after checking its shape (ValueError naming the weight); None if absent, and the name
     appended to `missing` when the weight is needed."""
@@ -384,6 +394,7 @@ class DenseModel:
         self.cos, self.sin = ang.cos().to(device=dev, dtype=dt), ang.sin().to(device=dev, dtype=dt)
         self.slots = torch.arange(max_seq_len, device=dev)                                  # [S]
         self.one_node = torch.ones(1, 1, dtype=torch.bool, device=dev)                      # decode's tree
+        self.one_node_bits = tree_bits(self.one_node)                                       # [1, 1, 1] packed once
         self.depth0 = torch.zeros(1, dtype=torch.long, device=dev)
 
     @property
@@ -453,9 +464,9 @@ class DenseModel:
             raise ValueError(f"a tree of {N} nodes after {start} committed tokens does not fit the static cache of "
                              f"{self.max_seq_len} slots")
         start = torch.as_tensor(start, device=dev).reshape(1)                               # [1]
-        slots = start + torch.arange(N, device=dev)                                         # [N]
+        slots = start + self.slots[:N]                                                      # [N]
         if self.attention == "triton":
-            attend = self._triton_attend(start, anc)
+            attend = self._triton_attend(start, self._bits(anc))
         else:
             mask = (self.slots < start)[None].expand(N, -1).clone()                         # [N, S] prefix
             mask.index_copy_(1, slots, anc)                                                 # + ancestors
@@ -463,14 +474,16 @@ class DenseModel:
         h, taps = self._forward(tokens, start + depths, slots, attend)
         return DenseOutput(F.linear(h, self.lm_head), h, taps)
 
-    def _triton_attend(self, start: torch.Tensor, anc: torch.Tensor):
+    def _bits(self, anc: torch.Tensor) -> torch.Tensor:
+        """anc [N, N] bool -> its packed rows [1, N, ceil(N/32)] int32 (decode's one-node tree: packed at init)."""
+        return self.one_node_bits if anc is self.one_node else tree_bits(anc)
+
+    def _triton_attend(self, start: torch.Tensor, bits: torch.Tensor):
         """Layer attention through the Triton tree kernel: the committed prefix is cache slots [0, start), the tree
-        keys are the nodes' own; the ancestor bitmask is packed once for all layers."""
+        keys are the nodes' own; bits [1, N, ceil(N/32)]: the tree's ancestor mask, packed once for all layers."""
         from tfm_kernels.tree_attention import tree_attention
-        from tfm_kernels.tree_utils import pack_bits
-        N = anc.shape[0]
-        bits = pack_bits(anc[None])                                                         # [1, N, ceil(N/32)]
-        n = torch.full((1,), N, dtype=torch.int32, device=anc.device)
+        N = bits.shape[1]
+        n = torch.full((1,), N, dtype=torch.int32, device=bits.device)
 
         def attend(i, q, k, v):
             kp = self.k_cache[i].transpose(0, 1)[None]                                      # [1, S, Hkv, D]

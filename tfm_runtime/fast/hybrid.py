@@ -471,16 +471,16 @@ class HybridModel(DenseModel):
                              f"{self.max_seq_len} slots")
         parents = tree_parents(anc) if parents is None else parents.to(dev)
         start = torch.as_tensor(start, device=dev).reshape(1)                               # [1]
-        slots = start + torch.arange(N, device=dev)                                         # [N]
+        slots = start + self.slots[:N]                                                      # [N]
+        bits = self._bits(anc) if "triton" in (self.attention, self.gdn) else None         # [1, N, ceil(N/32)]
         if self.attention == "triton":
-            attend = self._triton_attend(start, anc)
+            attend = self._triton_attend(start, bits)
         else:
             mask = (self.slots < start)[None].expand(N, -1).clone()                         # [N, S] prefix
             mask.index_copy_(1, slots, anc)                                                 # + ancestors
             attend = lambda i, q, k, v: self._sdpa(i, q, mask, self.max_seq_len)            # noqa: E731
         if self.gdn == "triton":
-            from tfm_kernels.tree_utils import pack_bits
-            tree = GDNStash(parents=parents.to(torch.int32)[None].contiguous(), anc=pack_bits(anc[None]))
+            tree = GDNStash(parents=parents.to(torch.int32)[None].contiguous(), anc=bits)
         else:
             tree = GDNStash(parents=parents, win=conv_windows(parents, self.cfg.conv_kernel))
         h, taps = self._hybrid_forward(tokens, start + depths, slots, attend, tree)

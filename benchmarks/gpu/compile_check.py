@@ -12,10 +12,17 @@ checked against the card's 227 KiB per block. The runtime runs on CPU tensors at
   widths 2-16) with its frontier kernels, Weaver steps and candidate scoring; ancestor masks and their packing.
 
 Kernel outputs are left unwritten (their buffers hold whatever they held): only compilation is checked, the results
-are the GPU tests' business. The runtime's CUDA checks (`inference_kernel_ok`, `is_cuda` guards, the device's SM
-count and capability) are patched for the run. A few minutes on 2 cores cold, about one with a warm Triton cache.
+are the GPU tests' business.
 
-  python -m benchmarks.gpu.compile_check [--arch 90]
+It also counts the launches of each stage (Triton launches plus the torch ops that launch a kernel: every aten op but
+views and allocations), which set most of a small model's step time: a target's decode and tree verify (per layer
+and per call, and the total at the real depth: SmolLM2's 30 layers, Qwen3.6-27B's 16 groups of 3 GDN + 1 attention
+layers) and the Weaver build's first phase per width. `--out` writes them as a results file.
+
+The runtime's CUDA checks (`inference_kernel_ok`, `is_cuda` guards, the device's SM count and capability) are
+patched for the run. A few minutes on 2 cores cold, one or two with a warm Triton cache.
+
+  python -m benchmarks.gpu.compile_check [--arch 90] [--out benchmarks/results/kernel_launches_cpu.json]
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ import time
 import types
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SHARED_LIMIT = {90: 232448, 100: 232448}          # bytes of shared memory one block may use (sm_90, sm_100)
 
@@ -71,6 +79,36 @@ class CompileOnly:
         self._driver._active = self._old
 
 
+class TorchLaunches(TorchDispatchMode):
+    """Counts the aten ops that launch a kernel on CUDA (not views, allocations or the custom ops that wrap a Triton
+    kernel, which `CompileOnly` counts) and the host reads (`.item()`, `.tolist()`: a device sync there)."""
+
+    NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "set_",
+                 "_unsafe_view"}                   # a view not marked as one
+
+    def __init__(self):
+        super().__init__()
+        self.launches = self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "aten" and name == "_local_scalar_dense":
+            self.reads += 1
+        elif func.namespace == "aten" and not func.is_view and name not in self.NO_LAUNCH:
+            self.launches += 1
+        return func(*args, **(kwargs or {}))
+
+
+def launches(check: "CompileOnly", fn) -> dict:
+    """fn() run once to compile, then again counted -> {"triton", "torch", "launches", "host_reads"}."""
+    fn()
+    n0 = len(check.records)
+    with TorchLaunches() as t:
+        fn()
+    tri = len(check.records) - n0
+    return {"triton": tri, "torch": t.launches, "launches": tri + t.launches, "host_reads": t.reads}
+
+
 def _pretend_cuda(arch: int) -> None:
     """The runtime's CUDA guards say yes for CPU tensors (the kernels then get CPU tensors, which compile-only never
     reads); the device's SM count and capability are the target's."""
@@ -86,6 +124,8 @@ def _pretend_cuda(arch: int) -> None:
         return x.dtype in (torch.float16, torch.bfloat16, torch.float32) and all(p.dtype == x.dtype for p in ps)
     for m in (common, dense, hybrid, weaver):
         m.inference_kernel_ok = kernel_ok
+    from tfm_kernels.pack_bits import pack_bits
+    dense.tree_bits = lambda anc: pack_bits(anc.contiguous()[None])
     def small_attention(q, k, v, mask):                 # the runtime's choice, less its is_cuda
         if q.shape[-2] <= 128 and k.shape[-2] <= 128 and q.shape[-1] <= 256:
             return fused_small_attention(q, k, v, mask)
@@ -108,99 +148,136 @@ def _pretend_cuda(arch: int) -> None:
     torch.cuda.get_device_capability = lambda *a, **k: divmod(arch, 10)
 
 
-def _hybrid(dtype, log) -> None:
+def _hybrid(layers: int, dtype):
+    """A hybrid target at the Qwen3.6-27B GDN / attention head shapes (hidden 512), `layers` layers (every fourth full
+    attention), gdn="triton" and tree attention."""
     from benchmarks.runtime.shape27b_bench import SHAPE, target_model
-    from tfm_runtime.fast.weaver_tree import ancestor_masks
-    shape = dict(SHAPE, vocab_size=1024, hidden_size=512, intermediate_size=512, num_hidden_layers=4)
+    from tfm_runtime.fast.hybrid import HybridModel
+    shape = dict(SHAPE, vocab_size=1024, hidden_size=512, intermediate_size=512, num_hidden_layers=layers)
     os.environ["TRITON_INTERPRET"] = "1"                # HybridModel takes gdn="triton" on the CPU only then
+    real = HybridModel.from_hf.__func__
+    HybridModel.from_hf = classmethod(lambda cls, hf, taps=(), **kw: real(cls, hf, taps, **{**kw, "gdn": "triton"}))
     try:
-        from tfm_runtime.fast.hybrid import HybridModel
-        real = HybridModel.from_hf.__func__
-        HybridModel.from_hf = classmethod(lambda cls, hf, taps=(), **kw: real(cls, hf, taps, **{**kw, "gdn": "triton"}))
-        try:
-            model = target_model(shape, "cpu", dtype, 512)[0]
-        finally:
-            HybridModel.from_hf = classmethod(real)
+        model = target_model(shape, "cpu", dtype, 512)[0]
     finally:
+        HybridModel.from_hf = classmethod(real)
         del os.environ["TRITON_INTERPRET"]
     model.attention = "triton"
-    _target(model, "hybrid (Qwen3.6-27B heads)", log, ancestor_masks)
+    return model
 
 
-def _dense(dtype, log) -> None:
+def _dense(layers: int, dtype):
+    """A dense target at SmolLM2-135M's shapes (vocab 1024), `layers` layers, tree attention."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tfm_runtime.fast.dense import DenseModel
-    from tfm_runtime.fast.weaver_tree import ancestor_masks
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=512)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    model = DenseModel.from_hf(hf, [0, 1], max_seq_len=512)
+    model = DenseModel.from_hf(hf, [0, layers - 1], max_seq_len=512)
     model.attention = "triton"
-    _target(model, "dense (SmolLM2-135M)", log, ancestor_masks)
+    return model
 
 
 @torch.no_grad()
-def _target(model, name: str, log, ancestor_masks) -> None:
-    model.prefill(torch.randint(0, 1000, (40,)))
+def _target(check, model) -> dict:
+    """Compile a target's kernels at tree sizes 17 / 33 / 65 / 129, commit and decode -> the launches of decode and
+    of the verify of 65 nodes."""
     from tfm_kernels.pack_bits import pack_bits
     from tfm_kernels.tree_ancestors import tree_ancestors
+    from tfm_runtime.fast.weaver_tree import ancestor_masks
+    model.prefill(torch.randint(0, 1000, (40,)))
+    trees = {}
     for n in (17, 33, 65, 129):
         parents = torch.arange(-1, n - 1)[None]                                       # [1, n] a chain
         pack_bits(tree_ancestors(parents, 15))
-        anc = ancestor_masks(parents, 15)[0]                                          # [n, n] (the reference)
-        model.verify_tree(torch.randint(0, 1000, (n,)), torch.arange(n).clamp(max=15), anc, 40)
+        trees[n] = (torch.randint(0, 1000, (n,)), torch.arange(n).clamp(max=15), ancestor_masks(parents, 15)[0])
+        model.verify_tree(*trees[n], 40)
     model.commit(torch.tensor([40]), torch.tensor([0, 1, 2]))
-    model.decode(torch.tensor([3]), torch.tensor([43]))
-    log(name)
+    return {"decode": launches(check, lambda: model.decode(torch.tensor([3]), torch.tensor([43]))),
+            "verify65": launches(check, lambda: model.verify_tree(*trees[65], 40))}
+
+
+def _per_layer(check, build, small: int, big: int, groups: int) -> dict:
+    """Targets of `small` and `big` layers -> per stage: launches per `big - small` layers, the fixed rest, and the
+    total at `groups` such groups (the real depth)."""
+    a, b = _target(check, build(small)), _target(check, build(big))
+    rows = {}
+    for stage in a:
+        per = b[stage]["launches"] - a[stage]["launches"]
+        fixed = a[stage]["launches"] - per * (small // (big - small))
+        rows[stage] = {"per_group": per, "fixed": fixed, "total": fixed + per * groups,
+                       "host_reads": b[stage]["host_reads"]}
+    return rows
 
 
 @torch.no_grad()
-def _weaver(dtype, log) -> None:
+def _weaver(check, dtype) -> dict:
+    """Compile the static Weaver build (both phases) at each preset, budget and width -> launches of the first
+    phase (the only one almost every build runs) per preset and (budget, width)."""
     from tfm_runtime.fast.weaver_tree import StaticWeaverTreeBuilder
     from tfm_runtime.models.weaver import Weaver, WeaverConfig
     presets = (("SmolLM2", WeaverConfig(d_model=576, d_embed=576, d_rank=256, num_layers=2, num_heads=4, mlp_dim=768,
                                         lookahead=15, candidate_pool=512)),
                ("Qwen3.6-27B", WeaverConfig.qwen36_27b()))
+    rows = {}
     for name, cfg in presets:
         w, H = Weaver(cfg).to(dtype).eval(), cfg.d_model
         table = torch.randn(4096, H, dtype=dtype)                                        # embeddings and LM head
         inputs = (torch.tensor([1]), torch.randn(1, H, dtype=dtype), torch.randn(1, 15, H, dtype=dtype),
                   torch.randint(0, 4096, (1, 15, 512)), torch.randn(1, 15, 512, dtype=dtype))
-        for budget, width in ((32, 2), (32, 8), (64, 4), (64, 8), (64, 16), (128, 8)):
+        for budget, width in ((32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (64, 16), (128, 8)):
             b = StaticWeaverTreeBuilder(w, table, table, budget, K=512, L=15, batch=1, width=width, dtype=dtype)
             b.fused_frontier = True
             b._first(*inputs)
             b._second(*inputs)
-        log(f"Weaver build ({name})")
+            rows[f"{name} budget {budget} width {width}"] = {"rounds": b.first_rounds,
+                                                              **launches(check, lambda: b._first(*inputs))}
+    return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT), help="compute capability x 10")
+    ap.add_argument("--out", help="results JSON of the launch counts")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter never compiles a kernel")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    from benchmarks.common import env, write_results
+    run_env = env()
     _import_kernels()
     _pretend_cuda(args.arch)
     torch.manual_seed(0)
-    t0 = time.perf_counter()
+    t0, dt = time.perf_counter(), torch.bfloat16
     with CompileOnly(args.arch) as check:
-        def log(what):
-            print(f"{what}: {len(check.records)} launches compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
-        _hybrid(torch.bfloat16, log)
-        _dense(torch.bfloat16, log)
-        _weaver(torch.bfloat16, log)
+        targets = {"SmolLM2-135M (dense, 30 layers)": _per_layer(check, lambda n: _dense(n, dt), 1, 2, 30),
+                   "Qwen3.6-27B (hybrid, 16 x (3 GDN + 1 attention))":
+                       _per_layer(check, lambda n: _hybrid(n, dt), 4, 8, 16)}
+        print(f"targets: {len(check.records)} launches compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
+        builds = _weaver(check, dt)
+        print(f"Weaver builds: {len(check.records)} launches compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    print(f"\n{'target':50s} {'stage':9s} {'per layer group':>15s} {'fixed':>6s} {'total':>6s} {'host reads':>10s}")
+    for name, stages in targets.items():
+        for stage, r in stages.items():
+            print(f"{name:50s} {stage:9s} {r['per_group']:15d} {r['fixed']:6d} {r['total']:6d} {r['host_reads']:10d}")
+    print(f"\n{'Weaver build, first phase':36s} {'rounds':>6s} {'triton':>6s} {'torch':>6s} {'launches':>8s}")
+    for name, r in builds.items():
+        print(f"{name:36s} {r['rounds']:6d} {r['triton']:6d} {r['torch']:6d} {r['launches']:8d}")
     limit, worst = SHARED_LIMIT[args.arch], {}
     for kernel, warps, shared in check.records:
         worst[kernel] = max(worst.get(kernel, (0, 0)), (shared, warps))
     print(f"\n{'kernel':36s} {'max shared':>10s}  (sm_{args.arch}, limit {limit})")
     for kernel, (shared, _) in sorted(worst.items()):
         print(f"{kernel:36s} {shared:10d}{'  OVER' if shared > limit else ''}")
-    over = [k for k, (s, _) in worst.items() if s > limit]
+    over = [k for k, (sh, _) in worst.items() if sh > limit]
     print(f"{len(worst)} kernels, {len(check.records)} launches compiled for sm_{args.arch}; "
           f"{'over the shared-memory limit: ' + ', '.join(over) if over else 'all within the shared-memory limit'}")
+    if args.out:
+        write_results(args.out, {"env": run_env, "arch": f"sm_{args.arch}", "targets": targets,
+                                 "weaver_build_first_phase": builds,
+                                 "max_shared_bytes": {k: sh for k, (sh, _) in sorted(worst.items())}})
     return 1 if over else 0
 
 

@@ -125,7 +125,8 @@ def _pretend_cuda(arch: int) -> None:
     for m in (common, dense, hybrid, weaver):
         m.inference_kernel_ok = kernel_ok
     from tfm_kernels.pack_bits import pack_bits
-    dense.tree_bits = lambda anc: pack_bits(anc.contiguous()[None])
+    for m in (dense, hybrid):
+        m.tree_bits = lambda anc: pack_bits(anc.contiguous()[None])
     def small_attention(q, k, v, mask):                 # the runtime's choice, less its is_cuda
         if q.shape[-2] <= 128 and k.shape[-2] <= 128 and q.shape[-1] <= 256:
             return fused_small_attention(q, k, v, mask)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfm_kernels.tree_utils import pack_bits
+from tfm_kernels.pack_bits import pack_bits
 
 LOG2E = 1.4426950408889634
 
@@ -304,7 +304,7 @@ def _as_bitmask(anc, B, N):
     if anc.dtype == torch.bool:
         if tuple(anc.shape) != (B, N, N):
             raise ValueError(f"a bool anc must be [B, N, N] = {(B, N, N)}, got {tuple(anc.shape)}")
-        return pack_bits(anc)
+        return pack_bits(anc if anc.stride(-1) == 1 else anc.contiguous())     # one launch
     if anc.dtype == torch.int64:
         anc = anc.contiguous().view(torch.int32)  # little-endian: int64 word w = int32 words 2w, 2w+1
     if anc.dtype != torch.int32:

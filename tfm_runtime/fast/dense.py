@@ -450,14 +450,16 @@ class DenseModel:
         return DenseOutput(F.linear(h[-1:], self.lm_head), h, taps)
 
     @torch.no_grad()
-    def verify_tree(self, tokens: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor, start) -> DenseOutput:
+    def verify_tree(self, tokens: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor, start,
+                    bits: torch.Tensor | None = None) -> DenseOutput:
         """Score a proposal tree in one pass.
 
         tokens, depths [N] long (nodes in topological order, node 0 the root); anc [N, N] bool, inclusive ancestor
         relation (anc[i, j]: j is on the path root..i); start: committed length (int, or a long tensor [1] on the
         device). Node i is written to slot start + i at position start + depths[i] and attends to slots < start and
         its ancestors. Returns DenseOutput with logits [N, V], hidden and taps for every node. Slots from start on
-        are not committed until `commit`.
+        are not committed until `commit`. bits: anc packed ([1, N, ceil(N/32)] int32, `tree_bits`) where the caller
+        has it already (decode's one-node tree).
         """
         N, dev = tokens.shape[0], self.device
         if isinstance(start, int) and not 0 <= start <= self.max_seq_len - N:
@@ -466,17 +468,13 @@ class DenseModel:
         start = torch.as_tensor(start, device=dev).reshape(1)                               # [1]
         slots = start + self.slots[:N]                                                      # [N]
         if self.attention == "triton":
-            attend = self._triton_attend(start, self._bits(anc))
+            attend = self._triton_attend(start, tree_bits(anc) if bits is None else bits)
         else:
             mask = (self.slots < start)[None].expand(N, -1).clone()                         # [N, S] prefix
             mask.index_copy_(1, slots, anc)                                                 # + ancestors
             attend = lambda i, q, k, v: self._sdpa(i, q, mask, self.max_seq_len)            # noqa: E731
         h, taps = self._forward(tokens, start + depths, slots, attend)
         return DenseOutput(F.linear(h, self.lm_head), h, taps)
-
-    def _bits(self, anc: torch.Tensor) -> torch.Tensor:
-        """anc [N, N] bool -> its packed rows [1, N, ceil(N/32)] int32 (decode's one-node tree: packed at init)."""
-        return self.one_node_bits if anc is self.one_node else tree_bits(anc)
 
     def _triton_attend(self, start: torch.Tensor, bits: torch.Tensor):
         """Layer attention through the Triton tree kernel: the committed prefix is cache slots [0, start), the tree
@@ -495,7 +493,7 @@ class DenseModel:
     def decode(self, token: torch.Tensor, pos) -> torch.Tensor:
         """token [1] long at position `pos` (int or long tensor [1]), attending to slots < pos -> logits [1, V].
         Writes the token's K/V into slot pos, which becomes committed."""
-        return self.verify_tree(token, self.depth0, self.one_node, pos).logits
+        return self.verify_tree(token, self.depth0, self.one_node, pos, bits=self.one_node_bits).logits
 
     @torch.no_grad()
     def commit(self, start, accepted: torch.Tensor) -> None:

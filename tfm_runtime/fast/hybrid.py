@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
 from tfm_runtime.fast.dense import (DenseModel, DenseOutput, add_rms_norm, checked_weight, fused_rows, rms_norm_1p,
-                                    rope_into_cache)
+                                    rope_into_cache, tree_bits)
 from tfm_runtime.models.common import inference_kernel_ok, silu_mul
 from tfm_runtime.models.gdn_tree_torch import tree_recurrence
 
@@ -457,13 +457,13 @@ class HybridModel(DenseModel):
     # ---- entry points ----------------------------------------------------------------------------
     @torch.no_grad()
     def verify_tree(self, tokens: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor, start,
-                    parents: torch.Tensor | None = None) -> DenseOutput:
+                    parents: torch.Tensor | None = None, bits: torch.Tensor | None = None) -> DenseOutput:
         """Score a proposal tree in one pass; the committed GDN states are only read.
 
         tokens, depths [N] long (topological order, node 0 the root); anc [N, N] bool inclusive ancestor relation;
-        start: committed length (int or long tensor [1]); parents [N] long (default: derived from anc). Attention as
-        DenseModel.verify_tree. Returns DenseOutput with logits [N, V], hidden [N, H] and taps for every node; the
-        GDN commit data is kept for `commit`.
+        start: committed length (int or long tensor [1]); parents [N] long (default: derived from anc); bits: anc
+        packed, as DenseModel.verify_tree. Attention as DenseModel.verify_tree. Returns DenseOutput with logits
+        [N, V], hidden [N, H] and taps for every node; the GDN commit data is kept for `commit`.
         """
         N, dev = tokens.shape[0], self.device
         if isinstance(start, int) and not 0 <= start <= self.max_seq_len - N:
@@ -472,7 +472,8 @@ class HybridModel(DenseModel):
         parents = tree_parents(anc) if parents is None else parents.to(dev)
         start = torch.as_tensor(start, device=dev).reshape(1)                               # [1]
         slots = start + self.slots[:N]                                                      # [N]
-        bits = self._bits(anc) if "triton" in (self.attention, self.gdn) else None         # [1, N, ceil(N/32)]
+        if bits is None and "triton" in (self.attention, self.gdn):
+            bits = tree_bits(anc)                                                           # [1, N, ceil(N/32)]
         if self.attention == "triton":
             attend = self._triton_attend(start, bits)
         else:
@@ -540,6 +541,7 @@ class HybridModel(DenseModel):
     def decode(self, token: torch.Tensor, pos) -> torch.Tensor:
         """token [1] long at position `pos` (int or long tensor [1]) -> logits [1, V]. Its K/V (slot pos) and GDN
         states are committed."""
-        logits = self.verify_tree(token, self.depth0, self.one_node, pos, parents=self.leaf0 - 1).logits
+        logits = self.verify_tree(token, self.depth0, self.one_node, pos, parents=self.leaf0 - 1,
+                                  bits=self.one_node_bits).logits
         self.commit_states(self.leaf0)
         return logits

@@ -237,8 +237,9 @@ def test_the_second_phase_finishes_trees_that_need_short_rounds(monkeypatch):
 
 @pytest.mark.interpreter
 def test_the_inference_kernels_stand_in_for_the_torch_ops(monkeypatch):
-    """In CUDA inference the Weaver's norms and rotary embeddings run as single Triton launches
-    (`tfm_kernels.rms_norm`, `tfm_kernels.rope`). Forced on here (the Triton interpreter on the CPU, fp32), the static
+    """In CUDA inference the Weaver's linear layers with their norms, swiglu and residual adds, its norms and its
+    rotary embeddings run as single Triton launches (`tfm_kernels.small_linear`, `tfm_kernels.rms_norm`,
+    `tfm_kernels.rope`). Forced on here (the Triton interpreter on the CPU, fp32), the static
     build gives the trees the torch ops give, with log q to rounding; the node positions' cos / sin table equals
     `_rope`; and with gradients wanted (training) the torch path runs."""
     import tfm_runtime.models.common as common

@@ -95,6 +95,27 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, lin: nn.Linear, *, norm: RMSNorm | None = None, index: torch.Tensor | None = None,
+           act_swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + act(lin(norm(x))), each part optional: x [..., in] (with `index` [...]: a table [V, in] read at
+    those rows, an embedding lookup) -> [..., out] (act_swiglu: `swiglu` of lin's [gate, up] output, out = half of
+    lin's). In CUDA inference over at most `tfm_kernels.small_linear.SMALL_M` rows (the tree build's steps): one
+    launch of `tfm_kernels.small_linear` with the same roundings; otherwise the modules one after the other."""
+    nw, nb = (norm.weight, norm.bias) if norm is not None else (None, None)
+    if inference_kernel_ok(x, lin.weight, lin.bias, nw, nb, residual):
+        from tfm_kernels.small_linear import SMALL_M, small_linear
+        if (index.numel() if index is not None else x.numel() // max(x.shape[-1], 1)) <= SMALL_M:
+            return small_linear(x, lin.weight, lin.bias, index=index, norm_weight=nw, norm_bias=nb,
+                                eps=norm.eps if norm is not None else 0.0, swiglu=act_swiglu, residual=residual)
+    if index is not None:
+        h = norm.rows(x, index) if norm is not None else F.embedding(index, x)
+    else:
+        h = norm(x) if norm is not None else x
+    y = lin(h)
+    y = swiglu(y) if act_swiglu else y
+    return y if residual is None else residual + y
+
+
 def _small_attention_bmm(q, k, v, mask):
     """`small_attention` as two batched matmuls and an fp32 softmax that torch.compile fuses (any mask shape).
 
@@ -117,13 +138,13 @@ class WeaverBlock(nn.Module):
         self.gate_up_proj = nn.Linear(r, 2 * cfg.mlp_dim)
         self.down_proj = nn.Linear(cfg.mlp_dim, r)
 
-    def qkv(self, x, cos, sin, positions=None, k_out=None, v_out=None, normed=False):
-        """x [B, T, r] (`normed`: already through attn_norm); cos, sin [B, T, hd] or [T, hd], or tables [P, hd] read
+    def qkv(self, x, cos, sin, positions=None, k_out=None, v_out=None):
+        """x [B, T, r] (the residual stream, before attn_norm); cos, sin [B, T, hd] or [T, hd], or tables [P, hd] read
         at positions [B, T] -> q, k, v [B, nh, T, hd] (q, k rotated; in CUDA inference by one launch of
-        `tfm_kernels.rope`). k_out, v_out [B, nh, T, hd] (e.g. a static K/V cache's next slots): k and v are written
-        there and returned as k, v."""
+        `tfm_kernels.rope`, after one of `linear` for the norm and the projection over a few rows). k_out, v_out
+        [B, nh, T, hd] (e.g. a static K/V cache's next slots): k and v are written there and returned as k, v."""
         B, T, r = x.shape
-        qkv = self.qkv_proj(x if normed else self.attn_norm(x)).view(B, T, 3, self.nh, r // self.nh)  # [B,T,3,nh,hd]
+        qkv = linear(x, self.qkv_proj, norm=self.attn_norm).view(B, T, 3, self.nh, r // self.nh)   # [B,T,3,nh,hd]
         if inference_kernel_ok(qkv, cos, sin, self.qkv_proj.weight):
             from tfm_kernels.rope import rope_qk
             q, k = rope_qk(qkv, cos, sin, positions=positions, k_out=k_out, v_out=v_out)
@@ -136,14 +157,14 @@ class WeaverBlock(nn.Module):
             k, v = k_out.copy_(k), v_out.copy_(v)
         return q, k, v
 
-    def finish(self, x, q, k, v, mask, next_norm: RMSNorm | None = None):
-        """Attention of q over (k, v) with boolean mask [B, 1, T, S], then the MLP; residual adds -> x, or with
-        `next_norm` (x, next_norm(x)) (each add and the norm after it: one launch in CUDA inference)."""
+    def finish(self, x, q, k, v, mask):
+        """Attention of q over (k, v) with boolean mask [B, 1, T, S], then the MLP, each with its residual add
+        -> x [B, T, r] (in CUDA inference over a few rows: the attention's launch and three of `linear`)."""
         B, _, T, hd = q.shape
-        o = small_attention(q, k, v, mask)
-        x, h = self.mlp_norm.add(x, self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * hd)))
-        y = self.down_proj(swiglu(self.gate_up_proj(h)))
-        return x + y if next_norm is None else next_norm.add(x, y)
+        o = small_attention(q, k, v, mask)                                               # [B, nh, T, hd]
+        x = linear(o.transpose(1, 2).reshape(B, T, self.nh * hd), self.o_proj, residual=x)
+        y = linear(x, self.gate_up_proj, norm=self.mlp_norm, act_swiglu=True)            # [B, T, mlp]
+        return linear(y, self.down_proj, residual=x)
 
 
 @dataclass(frozen=True)
@@ -277,7 +298,7 @@ class Weaver(nn.Module):
         """h_final [B, H], u [B, L, H] -> WeaverState holding the causal prefix K/V of every layer. `into`: a static
         state (`WeaverState.static`, prefix length 1 + L) that takes the K/V in place and is returned, with no node
         slots (as `reset` with a new prefix, without its copies)."""
-        x = self.proposal_in(self.output_norm(torch.cat([h_final[:, None], u], dim=1)))   # [B, 1+L, r]
+        x = linear(torch.cat([h_final[:, None], u], dim=1), self.proposal_in, norm=self.output_norm)   # [B, 1+L, r]
         T = x.shape[1]
         key = ("prefix", T, x.device, x.dtype)
         if key not in self._rope_tables:                  # positions 0..T-1 and the causal mask: made once
@@ -288,13 +309,12 @@ class Weaver(nn.Module):
         if into is not None and (into.capacity is None or into.prefix_len != T):
             raise ValueError(f"prefix into a state needs a static state with prefix length {T}")
         ks, vs = [], []
-        h = self.blocks[0].attn_norm(x)
         for i, blk in enumerate(self.blocks):
             out = () if into is None else (into.k[i][:, :, :T], into.v[i][:, :, :T])      # [B, nh, T, hd] views
-            q, k, v = blk.qkv(h, cos, sin, None, *out, normed=True)
+            q, k, v = blk.qkv(x, cos, sin, None, *out)
             ks.append(k), vs.append(v)
             if i + 1 < len(self.blocks):              # the last block's output is not part of the state
-                x, h = blk.finish(x, q, k, v, causal, next_norm=self.blocks[i + 1].attn_norm)
+                x = blk.finish(x, q, k, v, causal)
         if into is None:
             return WeaverState(ks, vs)
         into.clear()
@@ -310,7 +330,7 @@ class Weaver(nn.Module):
         out_norm).
         """
         B, W = tokens.shape
-        x = self.token_in(self.embed_norm.rows(embed_weight, tokens))                     # [B, W, r]
+        x = linear(embed_weight, self.token_in, norm=self.embed_norm, index=tokens)       # [B, W, r]
         cos, sin = self._node_rope(x.device, x.dtype)                                     # [lookahead+1, hd] each
         P, Nt = state.prefix_len, state.num_nodes
         if mask is None:
@@ -318,19 +338,17 @@ class Weaver(nn.Module):
             mask = torch.cat([visible.new_ones(B, W, P), visible, eye], dim=-1)[:, None]  # [B, 1, W, P+Nt+W]
         elif tuple(mask.shape) != (B, 1, W, P + Nt + W):
             raise ValueError(f"mask must be [{B}, 1, {W}, {P + Nt + W}], got {list(mask.shape)}")
-        h = self.blocks[0].attn_norm(x)
         for i, blk in enumerate(self.blocks):
             if state.capacity is None:
-                q, k, v = blk.qkv(h, cos, sin, positions=depths, normed=True)
+                q, k, v = blk.qkv(x, cos, sin, positions=depths)
                 ks, vs = state.append(i, k, v)                                            # [B, nh, P+Nt+W, hd]
             else:                                     # k, v written straight into the static state's slots
-                q, _, _ = blk.qkv(h, cos, sin, depths, *state.slots(i, W), normed=True)
+                q, _, _ = blk.qkv(x, cos, sin, depths, *state.slots(i, W))
                 ks, vs = state.keys(i, W)                                                 # [B, nh, P+Nt+W, hd]
-            nxt = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.out_norm
-            x, h = blk.finish(x, q, ks, vs, mask, next_norm=nxt)
+            x = blk.finish(x, q, ks, vs, mask)
         state.advance(W)
         assert state.num_nodes == Nt + W
-        return h
+        return self.out_norm(x)
 
     def score(self, h: torch.Tensor, cand_ids: torch.Tensor, cand_logits: torch.Tensor,
               lm_head_weight: torch.Tensor, scoring: WeaverScoring = WeaverScoring(),

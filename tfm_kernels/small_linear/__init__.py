@@ -1,0 +1,4 @@
+from tfm_kernels.small_linear.ref import small_linear_ref
+from tfm_kernels.small_linear.triton import SMALL_M, small_linear
+
+__all__ = ["SMALL_M", "small_linear", "small_linear_ref"]

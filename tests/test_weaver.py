@@ -89,7 +89,8 @@ def test_residual_reads_only_candidate_rows(setup):
     W2[mask] = float("nan")                          # rows outside the candidates must never be read
     a = w.score(hn, cand_ids, cand_logits, W)
     torch.testing.assert_close(w.score(hn, cand_ids, cand_logits, W2), a, rtol=0, atol=0)
-    expected = cand_logits + (W[cand_ids] @ (w.lm_head_query_in.weight @ hn[..., None]))[..., 0]
+    query = w.lm_head_query_in.weight @ w.out_norm(hn)[..., None]                        # A out_norm(h)
+    expected = cand_logits + (W[cand_ids] @ query)[..., 0]
     torch.testing.assert_close(a, torch.log_softmax(expected, -1), rtol=1e-12, atol=1e-12)
 
 

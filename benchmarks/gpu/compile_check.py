@@ -139,7 +139,7 @@ def _pretend_cuda(arch: int) -> None:
         if rows is None:
             return real_score(self, h, cand_ids, cand_logits, lm_head_weight, scoring, rows)
         from tfm_kernels.candidate_logits import candidate_logits
-        query = self.lm_head_query_in(h)
+        query = weaver.linear(h, self.lm_head_query_in, norm=self.out_norm)
         _, logq = candidate_logits(query.reshape(-1, query.shape[-1]), lm_head_weight, cand_ids,
                                    bias=cand_logits.float(), rows=rows.reshape(-1))
         return logq.view(*rows.shape, cand_ids.shape[-1])

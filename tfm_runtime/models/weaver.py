@@ -326,8 +326,8 @@ class Weaver(nn.Module):
 
         tokens, depths [B, W]; visible [B, W, Nt] bool: which existing tree nodes are ancestors of each new node
         (new nodes never see each other, only themselves). Or `mask` [B, 1, W, P+Nt+W] bool, the attention mask itself
-        (the prefix, each node's ancestors and itself; `visible` is then not read). Returns h [B, W, r] (after
-        out_norm).
+        (the prefix, each node's ancestors and itself; `visible` is then not read). Returns h [B, W, r], the
+        residual stream (`score` applies out_norm).
         """
         B, W = tokens.shape
         x = linear(embed_weight, self.token_in, norm=self.embed_norm, index=tokens)       # [B, W, r]
@@ -348,20 +348,22 @@ class Weaver(nn.Module):
             x = blk.finish(x, q, ks, vs, mask)
         state.advance(W)
         assert state.num_nodes == Nt + W
-        return self.out_norm(x)
+        return x
 
     def score(self, h: torch.Tensor, cand_ids: torch.Tensor, cand_logits: torch.Tensor,
               lm_head_weight: torch.Tensor, scoring: WeaverScoring = WeaverScoring(),
               rows: torch.Tensor | None = None) -> torch.Tensor:
-        """h [..., r], cand_ids/cand_logits [..., K] -> log q over the K candidates [..., K] (fp32, or fp64).
+        """h [..., r] (the last block's output, before out_norm), cand_ids/cand_logits [..., K] -> log q over the K
+        candidates [..., K] (fp32, or fp64).
 
-        Reads only the K candidate rows of the LM head: residual_c = W_lm[c] . (A h), A = lm_head_query_in.
+        Reads only the K candidate rows of the LM head: residual_c = W_lm[c] . (A out_norm(h)), A = lm_head_query_in
+        (the norm and A: one launch of `linear` in CUDA inference over a few rows).
         On CUDA (fp16/bf16/fp32) the Triton kernels of `tfm_kernels.candidate_logits` gather the rows in both passes
         instead of materialising W_lm[cand] ([..., K, d_model]: 78.6 MB per training row at the Qwen3.6-27B preset);
         `scoring` picks how. `rows` (inference, no gradient): long [...] (h's leading shape), each query's row of
         cand_ids/cand_logits given as tables [R, K]; the kernels read those rows in place of a gather.
         """
-        query = self.lm_head_query_in(h)                                                 # [..., d_model]
+        query = linear(h, self.lm_head_query_in, norm=self.out_norm)                     # [..., d_model]
         kernels = (scoring.kernels and query.is_cuda and query.dtype != torch.float64
                    and not lm_head_weight.requires_grad)
         K = cand_ids.shape[-1]
@@ -412,8 +414,7 @@ class Weaver(nn.Module):
         for blk in self.blocks:
             q, k, v = blk.qkv(x, cos, sin)
             x = blk.finish(x, q, k, v, mask[None, None])
-        h = self.out_norm(x[:, L + 1:])                                                  # [B, L, r]
-        return self.score(h, cand_ids, cand_logits, lm_head_weight, scoring)
+        return self.score(x[:, L + 1:], cand_ids, cand_logits, lm_head_weight, scoring)
 
     # ---- artifact: config.json + model.safetensors ---------------------------------------------------
     def save_pretrained(self, path: str, extra_config: dict | None = None) -> None:

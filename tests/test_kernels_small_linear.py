@@ -4,7 +4,7 @@ compared bit for bit), row independence, and bad input; CPU runs use the Triton 
 import pytest
 import torch
 
-from tfm_kernels.small_linear import small_linear, small_linear_ref
+from tfm_kernels.small_linear import small_linear, small_linear_ref, small_qkv_rope, small_qkv_rope_ref
 from tfm_kernels.swiglu import swiglu
 from tfm_runtime.models.common import RMSNorm
 
@@ -104,6 +104,76 @@ def test_bad_input():
     for case in cases:
         with pytest.raises(ValueError, match="small_linear"):
             small_linear(**case)
+
+
+def _qkv_inputs(B, T, K, nh, hd, positions, norm, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed + B + 3 * T + 5 * K + 7 * hd)
+    x = (3 * torch.randn(B, T, K, generator=gen)).to(device, dtype)
+    w = (torch.randn(3 * nh * hd, K, generator=gen) * K ** -0.5).to(device, dtype)
+    P = 24 if positions else T
+    ang = 6 * torch.rand(P, hd // 2, generator=gen)
+    ang = torch.cat([ang, ang], -1)                                            # the half-split convention
+    kw = dict(norm_weight=(1 + 0.2 * torch.randn(K, generator=gen)).to(device, dtype) if norm else None,
+              norm_bias=(0.1 * torch.randn(K, generator=gen)).to(device, dtype) if norm else None)
+    pos = torch.randint(0, P, (B, T), generator=gen).to(device) if positions else None
+    return x, w, ang.cos().to(device, dtype), ang.sin().to(device, dtype), pos, kw
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B, T, K, nh, hd", [(1, 1, 16, 1, 16), (2, 5, 70, 3, 40), (1, 17, 64, 4, 64),
+                                             (3, 2, 130, 2, 8)])
+@pytest.mark.parametrize("positions", [True, False])
+def test_qkv_rope_matches_float64(B, T, K, nh, hd, positions):
+    """One token and one head, a half-head not a power of 2 (20) or under one 16-column tile (4), rows past one
+    16-row block, K over several chunks; rotation by a position table and by token index; with and without the
+    norm (with its bias)."""
+    for norm in (True, False):
+        x, w, cos, sin, pos, kw = _qkv_inputs(B, T, K, nh, hd, positions, norm, torch.float32, "cpu")
+        got = small_qkv_rope(x, w, nh, cos, sin, pos, **kw)
+        want = small_qkv_rope_ref(x, w, nh, cos, sin, pos, **kw)
+        for g, r in zip(got, want):
+            assert g.shape == r.shape == (B, nh, T, hd) and g.dtype == torch.float32
+            assert float((g.double() - r).abs().max()) <= 1e-5 * float(r.abs().max())
+
+
+@pytest.mark.interpreter
+def test_qkv_rope_writes_k_and_v_into_given_slots():
+    """k_out and v_out as the next slots of a static K/V state: written there (and returned), nothing else of the
+    state touched; q as without them."""
+    B, T, nh, hd = 2, 3, 2, 16
+    x, w, cos, sin, pos, kw = _qkv_inputs(B, T, 32, nh, hd, True, True, torch.float32, "cpu")
+    state_k, state_v = torch.full((B, nh, 10, hd), 7.0), torch.full((B, nh, 10, hd), 7.0)
+    q0, k0, v0 = small_qkv_rope(x, w, nh, cos, sin, pos, **kw)
+    q, k, v = small_qkv_rope(x, w, nh, cos, sin, pos, k_out=state_k[:, :, 4:7], v_out=state_v[:, :, 4:7], **kw)
+    assert k.data_ptr() == state_k[:, :, 4:7].data_ptr() and v.data_ptr() == state_v[:, :, 4:7].data_ptr()
+    assert torch.equal(q, q0) and torch.equal(state_k[:, :, 4:7], k0) and torch.equal(state_v[:, :, 4:7], v0)
+    for state in (state_k, state_v):
+        assert (state[:, :, :4] == 7).all() and (state[:, :, 7:] == 7).all()
+
+
+@pytest.mark.interpreter
+def test_qkv_rope_bad_input():
+    x, w, cos, sin, pos, _ = _qkv_inputs(1, 3, 16, 2, 8, True, False, torch.float32, "cpu")
+    cases = [dict(x=x[0]), dict(weight=w[:-6]), dict(num_heads=5), dict(cos=cos[:, :4]), dict(positions=pos[:, :2]),
+             dict(positions=pos.int()), dict(x=x.half()), dict(k_out=torch.zeros(1, 2, 3, 4)),
+             dict(v_out=torch.zeros(1, 2, 8, 3).transpose(-1, -2)), dict(norm_bias=torch.zeros(16))]
+    for case in cases:
+        args = {**dict(x=x, weight=w, num_heads=2, cos=cos, sin=sin, positions=pos), **case}
+        with pytest.raises(ValueError, match="small_qkv_rope"):
+            small_qkv_rope(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_qkv_rope_weaver_shapes(dtype):
+    """The Weaver's qkv at its two presets (rank 256 / 4 heads, 1024 / 8 heads), a step of 16 nodes and one node."""
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for K, nh in ((256, 4), (1024, 8)):
+        for T in (1, 16):
+            x, w, cos, sin, pos, kw = _qkv_inputs(1, T, K, nh, K // nh, True, True, dtype, "cuda")
+            for g, r in zip(small_qkv_rope(x, w, nh, cos, sin, pos, **kw),
+                            small_qkv_rope_ref(x, w, nh, cos, sin, pos, **kw)):
+                assert float((g.double() - r).abs().max()) <= tol * float(r.abs().max()), (K, T)
 
 
 @pytest.mark.gpu

@@ -23,22 +23,12 @@ SMALL_M = 64    # the row counts this kernel is for: each of the cdiv(M, 16) row
 
 
 @triton.jit
-def small_linear_kernel(x, idx, nw, nb, w, b, r, y, M, N, K, s_x, s_w, s_r, eps, HAS_IDX: tl.constexpr,
-                        NORM: tl.constexpr, NORM_BIAS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                        SWIGLU: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr):
-    """Tile (program_id(0), program_id(1)) of y [M, N] (row-major). Row m of x at m * s_x (HAS_IDX: idx[m] * s_x),
-    row n of w at n * s_w (SWIGLU: the up rows at (N + n) * s_w), row m of r at m * s_r; last dims contiguous.
-    nw, nb [K]: the norm's weight and bias; b [N] ([2N] with SWIGLU). IEEE: fp32 products in full precision."""
-    dt = y.dtype.element_ty
-    o_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+def _accumulate(x, row, m_m, nw, nb, w, n1, n2, m_n, K, s_w, eps, NORM: tl.constexpr, NORM_BIAS: tl.constexpr,
+                TWO: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc1 = rms_norm(x) @ w[n1].T (and with TWO acc2 = ... @ w[n2].T), fp32 [BM, BN]: rows of x at offsets
+    row [BM] (in range where m_m), weight rows n1, n2 [BN] (in range where m_n), over the whole K in BK chunks."""
+    dt = w.dtype.element_ty
     o_k = tl.arange(0, BK)
-    m_m, m_n = o_m < M, o_n < N
-    if HAS_IDX:
-        row = tl.load(idx + o_m, mask=m_m, other=0).to(tl.int64) * s_x                    # [BM]
-    else:
-        row = o_m.to(tl.int64) * s_x
     if NORM:                                            # mean of squares of the whole row, fp32
         ss = tl.zeros([BM], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -47,9 +37,9 @@ def small_linear_kernel(x, idx, nw, nb, w, b, r, y, M, N, K, s_x, s_w, s_r, eps,
             xa = xa.to(tl.float32)
             ss += tl.sum(xa * xa, axis=1)
         rstd = tl.rsqrt(ss / K + eps)                                                       # [BM]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-    p_w = w + o_n[None, :].to(tl.int64) * s_w                                               # [1, BN]
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    p_w1, p_w2 = w + n1[None, :].to(tl.int64) * s_w, w + n2[None, :].to(tl.int64) * s_w     # [1, BN]
     for k0 in range(0, K, BK):
         mk = (k0 + o_k) < K
         xa = tl.load(x + row[:, None] + (k0 + o_k)[None, :], mask=m_m[:, None] & mk[None, :], other=0.)  # [BM, BK]
@@ -60,17 +50,38 @@ def small_linear_kernel(x, idx, nw, nb, w, b, r, y, M, N, K, s_x, s_w, s_r, eps,
                 xn = (xn.to(tl.float32) + tl.load(nb + k0 + o_k, mask=mk, other=0.).to(tl.float32)[None, :]).to(dt)
             xa = xn
         m_w = mk[:, None] & m_n[None, :]
-        wt = tl.load(p_w + (k0 + o_k)[:, None], mask=m_w, other=0.)                        # [BK, BN]
+        w1 = tl.load(p_w1 + (k0 + o_k)[:, None], mask=m_w, other=0.)                       # [BK, BN]
         if IEEE:
-            acc = tl.dot(xa, wt, acc, input_precision="ieee")
+            acc1 = tl.dot(xa, w1, acc1, input_precision="ieee")
         else:
-            acc = tl.dot(xa, wt, acc)
-        if SWIGLU:
-            wu = tl.load(p_w + N * s_w + (k0 + o_k)[:, None], mask=m_w, other=0.)          # [BK, BN]
+            acc1 = tl.dot(xa, w1, acc1)
+        if TWO:
+            w2 = tl.load(p_w2 + (k0 + o_k)[:, None], mask=m_w, other=0.)                   # [BK, BN]
             if IEEE:
-                acc_up = tl.dot(xa, wu, acc_up, input_precision="ieee")
+                acc2 = tl.dot(xa, w2, acc2, input_precision="ieee")
             else:
-                acc_up = tl.dot(xa, wu, acc_up)
+                acc2 = tl.dot(xa, w2, acc2)
+    return acc1, acc2
+
+
+@triton.jit
+def small_linear_kernel(x, idx, nw, nb, w, b, r, y, M, N, K, s_x, s_w, s_r, eps, HAS_IDX: tl.constexpr,
+                        NORM: tl.constexpr, NORM_BIAS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                        SWIGLU: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):
+    """Tile (program_id(0), program_id(1)) of y [M, N] (row-major). Row m of x at m * s_x (HAS_IDX: idx[m] * s_x),
+    row n of w at n * s_w (SWIGLU: the up rows at (N + n) * s_w), row m of r at m * s_r; last dims contiguous.
+    nw, nb [K]: the norm's weight and bias; b [N] ([2N] with SWIGLU). IEEE: fp32 products in full precision."""
+    dt = y.dtype.element_ty
+    o_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_m, m_n = o_m < M, o_n < N
+    if HAS_IDX:
+        row = tl.load(idx + o_m, mask=m_m, other=0).to(tl.int64) * s_x                    # [BM]
+    else:
+        row = o_m.to(tl.int64) * s_x
+    acc, acc_up = _accumulate(x, row, m_m, nw, nb, w, o_n, o_n + N, m_n, K, s_w, eps, NORM, NORM_BIAS, SWIGLU,
+                              IEEE, BM, BN, BK)
     if HAS_BIAS:
         acc += tl.load(b + o_n, mask=m_n, other=0.).to(tl.float32)[None, :]
     out = acc.to(dt)
@@ -84,6 +95,53 @@ def small_linear_kernel(x, idx, nw, nb, w, b, r, y, M, N, K, s_x, s_w, s_r, eps,
         res = tl.load(r + o_m[:, None].to(tl.int64) * s_r + o_n[None, :], mask=m_y, other=0.).to(tl.float32)
         out = (res + out.to(tl.float32)).to(dt)
     tl.store(y + o_m[:, None].to(tl.int64) * N + o_n[None, :], out, mask=m_y)
+
+
+@triton.jit
+def small_qkv_rope_kernel(x, nw, nb, w, cos, sin, pos, q, k, v, M, T, K, s_x, s_w, eps, q_sb, q_sh, q_st, k_sb,
+                          k_sh, k_st, v_sb, v_sh, v_st, NH, HALF, POS: tl.constexpr, NORM: tl.constexpr,
+                          NORM_BIAS: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr):
+    """Program (row block, (part * NH + head) * NC + chunk), NC = cdiv(HALF, BN): columns chunk * BN .. of both
+    halves of one head of q, k or v (part 0 / 1 / 2; weight rows (part * NH + head) * 2 * HALF + d and + HALF + d).
+    q and k are rotated by cos, sin [P, 2 * HALF] at row pos[m] (POS) or at row m % T, then every part is stored
+    to its tensor at (m // T) * s_b + head * s_h + (m % T) * s_t + d (last dims contiguous)."""
+    dt = w.dtype.element_ty
+    NC = tl.cdiv(HALF, BN)
+    o_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    ph, c = tl.program_id(1) // NC, tl.program_id(1) % NC
+    part, head = ph // NH, ph % NH
+    o_d = c * BN + tl.arange(0, BN)
+    m_m, m_d = o_m < M, o_d < HALF
+    n1 = ph * 2 * HALF + o_d
+    a1, a2 = _accumulate(x, o_m.to(tl.int64) * s_x, m_m, nw, nb, w, n1, n1 + HALF, m_d, K, s_w, eps, NORM, NORM_BIAS,
+                         True, IEEE, BM, BN, BK)
+    x1, x2 = a1.to(dt).to(tl.float32), a2.to(dt).to(tl.float32)                             # the projection's
+    if POS:
+        p_c = tl.load(pos + o_m, mask=m_m, other=0).to(tl.int64) * (2 * HALF)
+    else:
+        p_c = (o_m % T).to(tl.int64) * (2 * HALF)
+    m_y = m_m[:, None] & m_d[None, :]
+    p_t = p_c[:, None] + o_d[None, :]
+    c1 = tl.load(cos + p_t, mask=m_y, other=0.).to(tl.float32)
+    c2 = tl.load(cos + p_t + HALF, mask=m_y, other=0.).to(tl.float32)
+    s1 = tl.load(sin + p_t, mask=m_y, other=0.).to(tl.float32)
+    s2 = tl.load(sin + p_t + HALF, mask=m_y, other=0.).to(tl.float32)
+    y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)   # as `apply_rope` rounds
+    y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    bb, tt = (o_m // T).to(tl.int64), (o_m % T).to(tl.int64)
+    if part == 0:
+        dst = q + (bb * q_sb + head * q_sh + tt * q_st)[:, None] + o_d[None, :]
+        tl.store(dst, y1, mask=m_y)
+        tl.store(dst + HALF, y2, mask=m_y)
+    elif part == 1:
+        dst = k + (bb * k_sb + head * k_sh + tt * k_st)[:, None] + o_d[None, :]
+        tl.store(dst, y1, mask=m_y)
+        tl.store(dst + HALF, y2, mask=m_y)
+    else:
+        dst = v + (bb * v_sb + head * v_sh + tt * v_st)[:, None] + o_d[None, :]
+        tl.store(dst, x1.to(dt), mask=m_y)
+        tl.store(dst + HALF, x2.to(dt), mask=m_y)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -143,6 +201,66 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             NORM_BIAS=norm_bias is not None, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, SWIGLU=swiglu,
             IEEE=x.dtype == torch.float32, BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
     return y.view(*lead, N)
+
+
+def small_qkv_rope(x: torch.Tensor, weight: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None,
+                   norm_bias: torch.Tensor | None = None, eps: float = 1e-6, k_out: torch.Tensor | None = None,
+                   v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of an attention layer from its fused projection, rotated, in one launch (forward only): the
+    projection of `small_linear` (with its norm prologue) and the rotary embedding of `tfm_kernels.rope.rope_qk`
+    (the same roundings), k and v written where the caller wants them.
+
+    Args:
+        x: [B, T, K] fp16 / bf16 / fp32 on a Triton device, last dim contiguous.
+        weight: [3 * nh * hd, K], rows q heads, k heads, v heads (each head's hd rows together); hd even.
+        cos, sin: tables [P, hd] of x's dtype read at positions [B, T] (long, in range: not checked), or without
+            positions [T, hd] (token t at row t).
+        norm_weight, norm_bias, eps: RMSNorm of x first, as `small_linear`.
+        k_out, v_out: [B, nh, T, hd] of x's dtype with a contiguous last dim (e.g. the next slots of a static K/V
+            state), or None (new tensors).
+    Returns:
+        q [B, nh, T, hd] contiguous, k (k_out or new), v (v_out or new).
+    """
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or num_heads < 1 \
+            or weight.shape[0] % (6 * num_heads) or 0 in x.shape:
+        raise ValueError(f"small_qkv_rope expects x [B, T, K] and weight [3 * nh * hd, K] with hd even, nh = "
+                         f"{num_heads}, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    B, T, K = x.shape
+    NH, hd = num_heads, weight.shape[0] // (3 * num_heads)
+    rows = cos.shape[0] if positions is not None else T
+    for name, t, shape in (("cos", cos, (rows, hd)), ("sin", sin, (rows, hd)), ("positions", positions, (B, T)),
+                           ("norm_weight", norm_weight, (K,)), ("norm_bias", norm_bias, (K,)),
+                           ("k_out", k_out, (B, NH, T, hd)), ("v_out", v_out, (B, NH, T, hd))):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"small_qkv_rope expects {name} {list(shape)}, got {list(t.shape)}")
+    if positions is not None and positions.dtype != torch.long:
+        raise ValueError(f"small_qkv_rope expects long positions, got {positions.dtype}")
+    if norm_bias is not None and norm_weight is None:
+        raise ValueError("small_qkv_rope: norm_bias needs norm_weight")
+    ts = [t for t in (weight, cos, sin, norm_weight, norm_bias, k_out, v_out) if t is not None]
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or any(t.dtype != x.dtype for t in ts):
+        raise ValueError(f"small_qkv_rope expects fp16, bf16 or fp32 tensors of one dtype, got x {x.dtype} and "
+                         f"{sorted({str(t.dtype) for t in ts})}")
+    if any(t.device != x.device for t in ts + ([positions] if positions is not None else [])):
+        raise ValueError("small_qkv_rope expects every tensor on one device")
+    if any(t.stride(-1) != 1 for t in (x, weight, k_out if k_out is not None else x, v_out if v_out is not None
+                                       else x)):
+        raise ValueError("small_qkv_rope expects x, weight, k_out and v_out with a contiguous last dim")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    x2 = _rows(x)
+    q = torch.empty(B, NH, T, hd, dtype=x.dtype, device=x.device)
+    k = torch.empty_like(q) if k_out is None else k_out
+    v = torch.empty_like(q) if v_out is None else v_out
+    HALF = hd // 2
+    BM, BN, BK = 16, max(16, min(32, triton.next_power_of_2(HALF))), max(16, min(128, triton.next_power_of_2(K)))
+    small_qkv_rope_kernel[(triton.cdiv(B * T, BM), 3 * NH * triton.cdiv(HALF, BN))](
+        x2, norm_weight if norm_weight is not None else weight, norm_bias if norm_bias is not None else weight,
+        weight, cos, sin, positions if positions is not None else cos, q, k, v, B * T, T, K, x2.stride(0),
+        weight.stride(0), eps, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], NH, HALF,
+        POS=positions is not None, NORM=norm_weight is not None, NORM_BIAS=norm_bias is not None,
+        IEEE=x.dtype == torch.float32, BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+    return q, k, v
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -140,11 +140,18 @@ class WeaverBlock(nn.Module):
 
     def qkv(self, x, cos, sin, positions=None, k_out=None, v_out=None):
         """x [B, T, r] (the residual stream, before attn_norm); cos, sin [B, T, hd] or [T, hd], or tables [P, hd] read
-        at positions [B, T] -> q, k, v [B, nh, T, hd] (q, k rotated; in CUDA inference by one launch of
-        `tfm_kernels.rope`, after one of `linear` for the norm and the projection over a few rows). k_out, v_out
-        [B, nh, T, hd] (e.g. a static K/V cache's next slots): k and v are written there and returned as k, v."""
+        at positions [B, T] -> q, k, v [B, nh, T, hd] (q, k rotated). k_out, v_out [B, nh, T, hd] (e.g. a static K/V
+        cache's next slots): k and v are written there and returned as k, v. In CUDA inference over a few rows
+        (cos, sin tables) one launch of `tfm_kernels.small_linear.small_qkv_rope`, the norm and the rotation
+        included; over more, `linear` then one launch of `tfm_kernels.rope`."""
         B, T, r = x.shape
-        qkv = linear(x, self.qkv_proj, norm=self.attn_norm).view(B, T, 3, self.nh, r // self.nh)   # [B,T,3,nh,hd]
+        norm = self.attn_norm
+        if inference_kernel_ok(x, self.qkv_proj.weight, norm.weight, norm.bias, cos, sin, k_out, v_out):
+            from tfm_kernels.small_linear import SMALL_M, small_qkv_rope
+            if B * T <= SMALL_M and cos.dim() == 2:
+                return small_qkv_rope(x, self.qkv_proj.weight, self.nh, cos, sin, positions, norm_weight=norm.weight,
+                                      norm_bias=norm.bias, eps=norm.eps, k_out=k_out, v_out=v_out)
+        qkv = linear(x, self.qkv_proj, norm=norm).view(B, T, 3, self.nh, r // self.nh)              # [B,T,3,nh,hd]
         if inference_kernel_ok(qkv, cos, sin, self.qkv_proj.weight):
             from tfm_kernels.rope import rope_qk
             q, k = rope_qk(qkv, cos, sin, positions=positions, k_out=k_out, v_out=v_out)

@@ -7,9 +7,9 @@ The roundings are those of `tfm_runtime.models.common.RMSNorm` and `tfm_runtime.
 fp32, round to x's dtype, multiply by the weight and round, add the bias and round), or of
 `tfm_runtime.fast.hybrid.rms_norm_1p` (one rounding) and `gated_rms_norm`, so they differ only in the order of the
 fp32 sum of squares.
-Torch spends six to eight launches on each; the fast targets run two to four norms per layer and the Weaver's tree
-build eight per step in sixteen sequential steps, where launches are most of the time. Forward only: training keeps
-the module's autograd path.
+Torch spends six to eight launches on each; the fast targets run two to four norms per layer, where launches are
+most of a small model's step (the Weaver's steps fold their norms into `tfm_kernels.small_linear`). Forward only:
+training keeps the module's autograd path.
 """
 import torch
 import triton

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tfm_kernels.small_linear import small_linear, small_linear_ref, small_qkv_rope, small_qkv_rope_ref
-from tfm_kernels.swiglu import swiglu
+from tfm_kernels.swiglu import silu_mul, swiglu
 from tfm_runtime.models.common import RMSNorm
 
 OPTIONS = {
@@ -53,7 +53,7 @@ def test_matches_float64(name, M, K, N):
 def test_rounds_as_the_torch_modules():
     """With identity weights the product is exact, so what remains are the prologue's and epilogue's roundings:
     the norm as `RMSNorm` (normalised, rounded, times the weight, rounded, plus the bias, rounded), the residual add
-    as torch's, and swiglu as `tfm_kernels.swiglu`: equal bit for bit in fp16 (in fp32 the order of the sum of
+    as torch's, and swiglu as `tfm_kernels.swiglu` (or with `silu_rounded` as `silu_mul`): equal bit for bit in fp16 (in fp32 the order of the sum of
     squares shows in the last bit: `test_matches_float64`)."""
     K, gen, dtype = 48, torch.Generator().manual_seed(3), torch.float16
     x = (3 * torch.randn(5, K, generator=gen)).to(dtype)
@@ -68,6 +68,7 @@ def test_rounds_as_the_torch_modules():
     assert torch.equal(small_linear(x, eye, **nk), h)
     assert torch.equal(small_linear(x, eye, residual=res, **nk), res + h)
     assert torch.equal(small_linear(x, torch.cat([eye, eye]), swiglu=True, **nk), swiglu(torch.cat([h, h], -1)))
+    assert torch.equal(small_linear(x, torch.cat([eye, eye]), swiglu=True, silu_rounded=True, **nk), silu_mul(h, h))
 
 
 @pytest.mark.interpreter

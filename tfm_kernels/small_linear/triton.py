@@ -67,11 +67,12 @@ def _accumulate(x, row, m_m, nw, nb, w, n1, n2, m_n, K, s_w, eps, NORM: tl.const
 @triton.jit
 def small_linear_kernel(x, idx, nw, nb, w, b, r, y, M, N, K, s_x, s_w, s_r, eps, HAS_IDX: tl.constexpr,
                         NORM: tl.constexpr, NORM_BIAS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                        SWIGLU: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr):
+                        SWIGLU: tl.constexpr, SILU_ROUNDED: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr):
     """Tile (program_id(0), program_id(1)) of y [M, N] (row-major). Row m of x at m * s_x (HAS_IDX: idx[m] * s_x),
     row n of w at n * s_w (SWIGLU: the up rows at (N + n) * s_w), row m of r at m * s_r; last dims contiguous.
-    nw, nb [K]: the norm's weight and bias; b [N] ([2N] with SWIGLU). IEEE: fp32 products in full precision."""
+    nw, nb [K]: the norm's weight and bias; b [N] ([2N] with SWIGLU). SILU_ROUNDED: silu(gate) rounded to y's dtype
+    before the product. IEEE: fp32 products in full precision."""
     dt = y.dtype.element_ty
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -89,7 +90,10 @@ def small_linear_kernel(x, idx, nw, nb, w, b, r, y, M, N, K, s_x, s_w, s_r, eps,
         if HAS_BIAS:
             acc_up += tl.load(b + N + o_n, mask=m_n, other=0.).to(tl.float32)[None, :]
         g, u = out.to(tl.float32), acc_up.to(dt).to(tl.float32)
-        out = (g * tl.sigmoid(g) * u).to(dt)
+        if SILU_ROUNDED:
+            out = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
+        else:
+            out = (g * tl.sigmoid(g) * u).to(dt)
     m_y = m_m[:, None] & m_n[None, :]
     if HAS_RES:
         res = tl.load(r + o_m[:, None].to(tl.int64) * s_r + o_n[None, :], mask=m_y, other=0.).to(tl.float32)
@@ -147,7 +151,7 @@ def small_qkv_rope_kernel(x, nw, nb, w, cos, sin, pos, q, k, v, M, T, K, s_x, s_
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  index: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                  norm_bias: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+                 silu_rounded: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + act(rms_norm(x) @ weight.T + bias) in one launch (forward only; module docstring).
 
     Args:
@@ -155,7 +159,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             rows index [...] (long, in range: not checked, no host read) are the input (an embedding lookup).
         weight: [N_w, K] ([out, in] as nn.Linear), last dim contiguous; bias [N_w] or None.
         norm_weight, norm_bias: [K] or None: x goes through RMSNorm (eps) first when norm_weight is given.
-        swiglu: y = silu(y[..., :N]) * y[..., N:], N = N_w / 2 (weight rows: gate, then up); else N = N_w.
+        swiglu: y = silu(y[..., :N]) * y[..., N:], N = N_w / 2 (weight rows: gate, then up); else N = N_w. Rounded
+            once, as `tfm_kernels.swiglu` (the Weaver's); `silu_rounded`: silu rounded first, as `F.silu(gate) * up`
+            and `tfm_kernels.swiglu.silu_mul` (the targets' and DFlash's MLPs).
         residual: [..., N] or None (last dim contiguous): added last.
     Returns:
         y: [..., N] of x's dtype, contiguous.
@@ -199,7 +205,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             r2 if r2 is not None else dummy, y, M, N, K, x2.stride(0), weight.stride(0),
             r2.stride(0) if r2 is not None else 0, eps, HAS_IDX=idx is not None, NORM=norm_weight is not None,
             NORM_BIAS=norm_bias is not None, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, SWIGLU=swiglu,
-            IEEE=x.dtype == torch.float32, BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+            SILU_ROUNDED=silu_rounded, IEEE=x.dtype == torch.float32, BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
     return y.view(*lead, N)
 
 

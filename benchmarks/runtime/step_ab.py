@@ -116,8 +116,8 @@ def run_child(tag: str, code_dir: str, reps: int, device: str) -> dict:
     path = os.pathsep.join([code_dir, REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     out = subprocess.run([sys.executable, HERE, "--measure", tag, "--reps", str(reps), "--device", device],
                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"the {tag} run failed:\n{out.stderr[-3000:]}")
+    if out.returncode:                            # recorded; the other codes' runs go on
+        return {"code": tag, "error": out.stderr[-3000:]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -152,7 +152,13 @@ def main(argv=None) -> None:
         for tag, code in codes:
             rows.append(run_child(tag, code, args.reps, args.device))
             print(json.dumps(rows[-1]), flush=True)
-    tags = [tag for tag, _ in codes]
+    errors = [r for r in rows if "error" in r]
+    for r in errors:
+        print(f"the {r['code']} run failed:\n{r['error']}", file=sys.stderr)
+    rows = [r for r in rows if "error" not in r]
+    tags = [tag for tag, _ in codes if any(r["code"] == tag for r in rows)]
+    if "base" not in tags or "head" not in tags:
+        sys.exit("step_ab: no run of the base or of this checkout finished")
     keys = [k for k in rows[0] if k.endswith("_ms") and all(k in r for r in rows)]
     median = {tag: {k: round(statistics.median(r[k] for r in rows if r["code"] == tag), 4) for k in keys}
               for tag in tags}
@@ -166,6 +172,7 @@ def main(argv=None) -> None:
               + "".join(f"{ratios[t][k]:>13.3f}" for t in tags[1:]))
     if args.out:
         write_results(args.out, {"env": env(), "base_revision": rev, "also": dict(codes[1:-1]), "rows": rows,
+                                 "failed_runs": [{"code": r["code"], "error": r["error"][-500:]} for r in errors],
                                  "median": median, "head_over_base": ratios["head"],
                                  **({"over_base": ratios} if len(tags) > 2 else {})})
 

@@ -191,3 +191,39 @@ def test_gpu_weaver_shapes(preset, dtype):
             x, w, kw = _inputs((M,), K, N, opts, dtype, "cuda")
             y, ref = small_linear(x, w, **kw), small_linear_ref(x, w, **kw)
             assert float((y.double() - ref).abs().max()) <= tol * float(ref.abs().max()), (M, K, N, opts)
+
+
+@pytest.mark.interpreter
+def test_weaver_linear_takes_the_kernel_in_inference_only(monkeypatch):
+    """`tfm_runtime.models.weaver.linear` forced onto its CUDA rule (the interpreter on the CPU): each combination of
+    norm / table rows / swiglu / residual gives its module path's values (fp32, to rounding), over at most SMALL_M
+    rows; more rows, or gradients wanted, take the modules (no kernel launch)."""
+    import tfm_runtime.models.weaver as weaver_mod
+    from tfm_kernels import small_linear as kernel_mod
+    from tfm_runtime.models.common import RMSNorm
+    gen = torch.Generator().manual_seed(4)
+    lin, gate_up = torch.nn.Linear(24, 40), torch.nn.Linear(24, 2 * 40)
+    norm = RMSNorm(24, 1e-6, bias=True)
+    with torch.no_grad():
+        norm.weight.add_(0.3 * torch.randn(24, generator=gen))
+        norm.bias.add_(0.1 * torch.randn(24, generator=gen))
+    x, table = torch.randn(2, 5, 24, generator=gen), torch.randn(30, 24, generator=gen)
+    index, res = torch.randint(0, 30, (2, 5), generator=gen), torch.randn(2, 5, 40, generator=gen)
+    cases = [dict(x=x, lin=lin), dict(x=x, lin=lin, norm=norm, residual=res), dict(x=table, lin=lin, norm=norm,
+             index=index), dict(x=x, lin=gate_up, norm=norm, act_swiglu=True, residual=res)]
+    with torch.no_grad():
+        want = [weaver_mod.linear(**c) for c in cases]                       # the CPU rule: modules
+    calls = []
+    real = kernel_mod.small_linear
+    monkeypatch.setattr(kernel_mod, "small_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(weaver_mod, "inference_kernel_ok", lambda x, *p: not (torch.is_grad_enabled() and (
+        x.requires_grad or any(t is not None and t.requires_grad for t in p))))
+    with torch.no_grad():
+        got = [weaver_mod.linear(**c) for c in cases]
+        assert len(calls) == len(cases)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        weaver_mod.linear(torch.randn(kernel_mod.SMALL_M + 1, 24), lin)         # too many rows: the modules
+    y = weaver_mod.linear(x, lin, norm=norm)                                   # gradients wanted: the modules
+    assert y.requires_grad and len(calls) == len(cases)

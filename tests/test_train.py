@@ -266,14 +266,14 @@ def test_dflash_training_beats_random_init_and_saves_zlab_layout(data, tmp_path,
     run = str(tmp_path / "dflash")
     cfg = _write(tmp_path / "dflash.json", {"data": [str(data / "text")], "output_dir": run, "model": "dflash",
                                             "drafter_layers": 1, "block_size": 8, "anchors_per_sequence": 8,
-                                            "steps": 300, "micro_batch": 4, "lr": 3e-3, "warmup_steps": 20,
-                                            "heldout_fraction": 0.15, "eval_every": 150, "eval_rows": 16,
-                                            "checkpoint_every": 300, "log_every": 10})
+                                            "steps": 100, "micro_batch": 4, "lr": 3e-3, "warmup_steps": 20,
+                                            "heldout_fraction": 0.15, "eval_every": 50, "eval_rows": 16,
+                                            "checkpoint_every": 100, "log_every": 10})
     [(rc, out)] = _train_here(run_here, cfg)
     assert rc == 0, out[-5000:]
     ev = {x["step"]: x for x in _metrics(run) if x["kind"] == "eval"}
-    assert ev[300]["loss"] < 0.8 * ev[0]["loss"]
-    assert ev[300]["accept_chain"] > ev[0]["accept_chain"] + 1.0
+    assert ev[100]["loss"] < 0.8 * ev[0]["loss"]
+    assert ev[100]["accept_chain"] > ev[0]["accept_chain"] + 1.0
 
     folder = os.path.join(run, "final")
     with open(os.path.join(folder, "config.json")) as f:

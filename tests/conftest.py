@@ -78,6 +78,48 @@ def build_once(tmp_path_factory):
     return get
 
 
+@pytest.fixture()
+def run_here(caplog):
+    """run_here(module, *args) -> (exit code, stdout, stderr and log) of `python -m module *args` run as `__main__`
+    in this interpreter (runpy), where torch, DeepSpeed and transformers are already imported: a process start
+    costs more than the short runs the tests make. For tests that need no process of their own (no signal, no
+    environment read at import). The world-of-one process group that pipelines.train sets up stays for the worker's
+    later runs, which adopt it as the runs of one tests/train_runs.py interpreter do (DeepSpeed keeps a handle on
+    it); the variables that describe it are set only while a run runs, so that no subprocess started later by a
+    test of this worker inherits them. Its stdout and stderr go to buffers of its own that stay open: a logging
+    handler made during the run (DeepSpeed's, at import) keeps writing to them without error in later tests."""
+    import contextlib
+    import io
+    import logging
+    import runpy
+    import sys
+
+    import torch.distributed as dist
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+    def run(module: str, *args: str) -> tuple[int, str, str]:
+        saved_env = {k: os.environ.pop(k) for k in keys if k in os.environ}
+        if dist.is_initialized():                     # an earlier run's world of one, as init_distributed set it up
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        saved_argv = sys.argv
+        out, err = io.StringIO(), io.StringIO()
+        caplog.clear()
+        sys.argv = [module, *args]
+        try:
+            with caplog.at_level(logging.INFO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            sys.argv = saved_argv
+            for k in keys:
+                os.environ.pop(k, None)
+            os.environ.update(saved_env)
+        return code, out.getvalue(), err.getvalue() + caplog.text
+    return run
+
+
 @pytest.fixture(scope="session")
 def kernel_device() -> str:
     """Where the kernel tests put their tensors: "cpu" under the Triton interpreter, else "cuda"."""

@@ -241,7 +241,8 @@ def test_a_stalled_ray_job_stops_records_the_shards_still_out_and_exits_3(tmp_pa
 
     class StuckDataset:                                              # the first shard, then nothing
         def __init__(self, cfg, contract, work):
-            self.rows = job.iter_inline(cfg, contract, work[:1])
+            # made before the stall clock starts: on a busy machine one shard alone can take longer than 1 s
+            self.rows = list(job.iter_inline(cfg, contract, work[:1]))
 
         def iter_rows(self):
             yield from self.rows

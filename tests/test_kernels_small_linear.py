@@ -53,8 +53,8 @@ def test_matches_float64(name, M, K, N):
 def test_rounds_as_the_torch_modules():
     """With identity weights the product is exact, so what remains are the prologue's and epilogue's roundings:
     the norm as `RMSNorm` (normalised, rounded, times the weight, rounded, plus the bias, rounded), the residual add
-    as torch's, and swiglu as `tfm_kernels.swiglu` (or with `silu_rounded` as `silu_mul`): equal bit for bit in fp16 (in fp32 the order of the sum of
-    squares shows in the last bit: `test_matches_float64`)."""
+    as torch's, and swiglu as `tfm_kernels.swiglu` (or with `silu_rounded` as `silu_mul`): equal bit for bit in
+    fp16 (in fp32 the order of the sum of squares shows in the last bit: `test_matches_float64`)."""
     K, gen, dtype = 48, torch.Generator().manual_seed(3), torch.float16
     x = (3 * torch.randn(5, K, generator=gen)).to(dtype)
     norm = RMSNorm(K, 1e-5, bias=True).to(dtype)

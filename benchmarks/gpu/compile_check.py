@@ -128,7 +128,8 @@ def _pretend_cuda(arch: int) -> None:
     for m in (dense, hybrid):
         m.tree_bits = lambda anc: pack_bits(anc.contiguous()[None])
     def small_attention(q, k, v, mask):                 # the runtime's choice, less its is_cuda
-        if q.shape[-2] <= 128 and k.shape[-2] <= 128 and q.shape[-1] <= 256:
+        if (q.shape[-2] <= 128 and k.shape[-2] <= 128 and q.shape[-1] <= 256
+                and (mask.dim() == 2 or (mask.dim() == 4 and mask.shape[:2] == (1, 1)))):
             return fused_small_attention(q, k, v, mask)
         return weaver._small_attention_bmm(q, k, v, mask)
     weaver.small_attention = small_attention

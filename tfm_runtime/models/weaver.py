@@ -95,6 +95,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _small(x: torch.Tensor, rows: int, *params: torch.Tensor | None) -> bool:
+    """Whether `tfm_kernels.small_linear` computes a layer: CUDA inference (`inference_kernel_ok`) over at most its
+    SMALL_M rows."""
+    if not inference_kernel_ok(x, *params):
+        return False
+    from tfm_kernels.small_linear import SMALL_M
+    return rows <= SMALL_M
+
+
 def linear(x: torch.Tensor, lin: nn.Linear, *, norm: RMSNorm | None = None, index: torch.Tensor | None = None,
            act_swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + act(lin(norm(x))), each part optional: x [..., in] (with `index` [...]: a table [V, in] read at
@@ -102,11 +111,11 @@ def linear(x: torch.Tensor, lin: nn.Linear, *, norm: RMSNorm | None = None, inde
     lin's). In CUDA inference over at most `tfm_kernels.small_linear.SMALL_M` rows (the tree build's steps): one
     launch of `tfm_kernels.small_linear` with the same roundings; otherwise the modules one after the other."""
     nw, nb = (norm.weight, norm.bias) if norm is not None else (None, None)
-    if inference_kernel_ok(x, lin.weight, lin.bias, nw, nb, residual):
-        from tfm_kernels.small_linear import SMALL_M, small_linear
-        if (index.numel() if index is not None else x.numel() // max(x.shape[-1], 1)) <= SMALL_M:
-            return small_linear(x, lin.weight, lin.bias, index=index, norm_weight=nw, norm_bias=nb,
-                                eps=norm.eps if norm is not None else 0.0, swiglu=act_swiglu, residual=residual)
+    rows = index.numel() if index is not None else x.numel() // max(x.shape[-1], 1)
+    if _small(x, rows, lin.weight, lin.bias, nw, nb, residual):
+        from tfm_kernels.small_linear import small_linear
+        return small_linear(x, lin.weight, lin.bias, index=index, norm_weight=nw, norm_bias=nb,
+                            eps=norm.eps if norm is not None else 0.0, swiglu=act_swiglu, residual=residual)
     if index is not None:
         h = norm.rows(x, index) if norm is not None else F.embedding(index, x)
     else:
@@ -146,11 +155,10 @@ class WeaverBlock(nn.Module):
         included; over more, `linear` then one launch of `tfm_kernels.rope`."""
         B, T, r = x.shape
         norm = self.attn_norm
-        if inference_kernel_ok(x, self.qkv_proj.weight, norm.weight, norm.bias, cos, sin, k_out, v_out):
-            from tfm_kernels.small_linear import SMALL_M, small_qkv_rope
-            if B * T <= SMALL_M and cos.dim() == 2:
-                return small_qkv_rope(x, self.qkv_proj.weight, self.nh, cos, sin, positions, norm_weight=norm.weight,
-                                      norm_bias=norm.bias, eps=norm.eps, k_out=k_out, v_out=v_out)
+        if cos.dim() == 2 and _small(x, B * T, self.qkv_proj.weight, norm.weight, norm.bias, cos, sin, k_out, v_out):
+            from tfm_kernels.small_linear import small_qkv_rope
+            return small_qkv_rope(x, self.qkv_proj.weight, self.nh, cos, sin, positions, norm_weight=norm.weight,
+                                  norm_bias=norm.bias, eps=norm.eps, k_out=k_out, v_out=v_out)
         qkv = linear(x, self.qkv_proj, norm=norm).view(B, T, 3, self.nh, r // self.nh)              # [B,T,3,nh,hd]
         if inference_kernel_ok(qkv, cos, sin, self.qkv_proj.weight):
             from tfm_kernels.rope import rope_qk
@@ -168,9 +176,14 @@ class WeaverBlock(nn.Module):
         """Attention of q over (k, v) with boolean mask [B, 1, T, S], then the MLP, each with its residual add
         -> x [B, T, r] (in CUDA inference over a few rows: the attention's launch and three of `linear`)."""
         B, _, T, hd = q.shape
-        o = small_attention(q, k, v, mask)                                               # [B, nh, T, hd]
-        x = linear(o.transpose(1, 2).reshape(B, T, self.nh * hd), self.o_proj, residual=x)
-        y = linear(x, self.gate_up_proj, norm=self.mlp_norm, act_swiglu=True)            # [B, T, mlp]
+        o = small_attention(q, k, v, mask).transpose(1, 2).reshape(B, T, self.nh * hd)   # [B, T, r]
+        gu, norm = self.gate_up_proj, self.mlp_norm
+        if _small(x, B * T, self.o_proj.weight, gu.weight, gu.bias, norm.weight, norm.bias):
+            x = linear(o, self.o_proj, residual=x)
+            y = linear(x, gu, norm=norm, act_swiglu=True)                                # [B, T, mlp]
+        else:                                         # the residual add and the norm after it: one launch on CUDA
+            x, h = norm.add(x, self.o_proj(o))
+            y = swiglu(gu(h))
         return linear(y, self.down_proj, residual=x)
 
 

@@ -19,8 +19,8 @@ views and allocations), which set most of a small model's step time: a target's 
 and per call, and the total at the real depth: SmolLM2's 30 layers, Qwen3.6-27B's 16 groups of 3 GDN + 1 attention
 layers) and the Weaver build's first phase per width. `--out` writes them as a results file.
 
-The runtime's CUDA checks (`inference_kernel_ok`, `is_cuda` guards, the device's SM count and capability) are
-patched for the run. A few minutes on 2 cores cold, one or two with a warm Triton cache.
+The runtime's device test (`tfm_runtime.models.common.kernel_device`, which every kernel path asks) and the
+device's SM count and capability are patched for the run. A few minutes on 2 cores cold, one or two with a warm Triton cache.
 
   python -m benchmarks.gpu.compile_check [--arch 90] [--out benchmarks/results/kernel_launches_cpu.json]
 """
@@ -110,41 +110,16 @@ def launches(check: "CompileOnly", fn) -> dict:
 
 
 def _pretend_cuda(arch: int) -> None:
-    """The runtime's CUDA guards say yes for CPU tensors (the kernels then get CPU tensors, which compile-only never
-    reads); the device's SM count and capability are the target's."""
-    import tfm_runtime.fast.dense as dense
-    import tfm_runtime.fast.hybrid as hybrid
-    import tfm_runtime.models.common as common
-    import tfm_runtime.models.weaver as weaver
-    from tfm_kernels.small_attention import small_attention as fused_small_attention
-    from tfm_kernels.swiglu import swiglu as fused_swiglu
-
-    def kernel_ok(x, *params):
-        ps = [p for p in params if p is not None]
-        return x.dtype in (torch.float16, torch.bfloat16, torch.float32) and all(p.dtype == x.dtype for p in ps)
-    for m in (common, dense, hybrid, weaver):
-        m.inference_kernel_ok = kernel_ok
-    from tfm_kernels.pack_bits import pack_bits
-    for m in (dense, hybrid):
-        m.tree_bits = lambda anc: pack_bits(anc.contiguous()[None])
-    def small_attention(q, k, v, mask):                 # the runtime's choice, less its is_cuda
-        if (q.shape[-2] <= 128 and k.shape[-2] <= 128 and q.shape[-1] <= 256
-                and (mask.dim() == 2 or (mask.dim() == 4 and mask.shape[:2] == (1, 1)))):
-            return fused_small_attention(q, k, v, mask)
-        return weaver._small_attention_bmm(q, k, v, mask)
-    weaver.small_attention = small_attention
-    weaver.swiglu = fused_swiglu
-    real_score = weaver.Weaver.score
-
-    def score(self, h, cand_ids, cand_logits, lm_head_weight, scoring=weaver.WeaverScoring(), rows=None):
-        if rows is None:
-            return real_score(self, h, cand_ids, cand_logits, lm_head_weight, scoring, rows)
-        from tfm_kernels.candidate_logits import candidate_logits
-        query = weaver.linear(h, self.lm_head_query_in, norm=self.out_norm)
-        _, logq = candidate_logits(query.reshape(-1, query.shape[-1]), lm_head_weight, cand_ids,
-                                   bias=cand_logits.float(), rows=rows.reshape(-1))
-        return logq.view(*rows.shape, cand_ids.shape[-1])
-    weaver.Weaver.score = score
+    """The runtime's one device test (`tfm_runtime.models.common.kernel_device`) says yes for CPU tensors in every
+    module that reads it, so each kernel path is taken as on CUDA (the kernels then get CPU tensors, which
+    compile-only never reads); the device's SM count and capability are the target's."""
+    import importlib
+    for name in ("tfm_runtime.fast.dense", "tfm_runtime.fast.hybrid", "tfm_runtime.fast.weaver_tree",
+                 "tfm_runtime.models.weaver"):
+        importlib.import_module(name)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("tfm_runtime.") and hasattr(module, "kernel_device"):
+            module.kernel_device = lambda t: True
     props = types.SimpleNamespace(multi_processor_count=132, name=f"sm_{arch} (compile check)")
     torch.cuda.get_device_properties = lambda *a, **k: props
     torch.cuda.get_device_capability = lambda *a, **k: divmod(arch, 10)

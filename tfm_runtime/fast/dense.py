@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tfm_kernels.rms_norm import add_rms_norm as fused_add_rms_norm
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
 from tfm_kernels.rope import rope_cache as fused_rope_cache
-from tfm_runtime.models.common import inference_kernel_ok, silu_mul
+from tfm_runtime.models.common import inference_kernel_ok, kernel_device, silu_mul
 
 FAMILIES = ("llama", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -205,7 +205,7 @@ def rope_into_cache(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, co
 def tree_bits(anc: torch.Tensor) -> torch.Tensor:
     """anc [N, N] bool, a tree's ancestor mask -> its rows packed into int32 words [1, N, ceil(N/32)], the form the
     tree kernels read: one launch of `tfm_kernels.pack_bits` on CUDA, its torch reference elsewhere."""
-    if anc.is_cuda:
+    if kernel_device(anc):
         from tfm_kernels.pack_bits import pack_bits
         return pack_bits(anc.contiguous()[None])
     from tfm_kernels.tree_utils import pack_bits

@@ -83,6 +83,7 @@ from tfm_kernels.weaver_frontier import finish_ref, place_ref, push_ref
 from tfm_kernels.weaver_frontier import place as fused_place
 from tfm_kernels.weaver_frontier import push as fused_push
 from tfm_runtime.fast.graphs import feed_graph_inputs
+from tfm_runtime.models.common import kernel_device
 from tfm_runtime.models.weaver import Weaver, WeaverState
 from tfm_runtime.tree import Tree
 from tfm_runtime.weaver_tree import step_width
@@ -358,6 +359,6 @@ def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     padding nodes a row that sees only themselves (as `graphs.pad_tree`). No host reads (capturable in a CUDA graph):
     on CUDA one launch of `tfm_kernels.tree_ancestors`, elsewhere its torch reference (each row follows its parent
     chain `max_depth` steps)."""
-    if parents.is_cuda:
+    if kernel_device(parents):
         return tree_ancestors(parents, max_depth)
     return ancestors_ref(parents, max_depth)

@@ -10,11 +10,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def kernel_device(t: torch.Tensor) -> bool:
+    """Whether t lives where the runtime's Triton kernels run (CUDA): the one device test of every kernel path, so
+    that `benchmarks.gpu.compile_check` takes those paths on the CPU by standing in for it alone."""
+    return t.is_cuda
+
+
 def inference_kernel_ok(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether a forward-only Triton kernel may stand in for a few torch ops: x on CUDA in fp16 / bf16 / fp32 with
     every parameter in its dtype, no gradient wanted, and not traced by torch.compile (which fuses the ops itself)."""
     ps = [p for p in params if p is not None]
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return (kernel_device(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and all(p.dtype == x.dtype for p in ps) and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in ps))))
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tfm_runtime.models.common import (RMSNorm, apply_rope, inference_kernel_ok, load_safetensors_dir, load_strict,
-                                       rope_cos_sin, save_safetensors_dir)
+from tfm_runtime.models.common import (RMSNorm, apply_rope, inference_kernel_ok, kernel_device, load_safetensors_dir,
+                                       load_strict, rope_cos_sin, save_safetensors_dir)
 
 if TYPE_CHECKING:
     from tfm_kernels.candidate_logits.grouped import GroupedTuning
@@ -67,7 +67,7 @@ def small_attention(q, k, v, mask):
     view of a [B, T, nh, hd] tensor. Otherwise (CPU, float64, per-row masks of the node steps):
     `_small_attention_bmm`."""
     T, S, hd = q.shape[-2], k.shape[-2], q.shape[-1]
-    if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and 0 < T <= 128 and 0 < S <= 128
+    if (kernel_device(q) and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and 0 < T <= 128 and 0 < S <= 128
             and hd <= 256 and (mask.dim() == 2 or (mask.dim() == 4 and mask.shape[:2] == (1, 1)))):
         from tfm_kernels.small_attention import small_attention as fused_small_attention
         return fused_small_attention(q, k, v, mask)
@@ -88,7 +88,7 @@ def chain_mask(L: int, device=None) -> torch.Tensor:
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up = [gate, up] [..., 2F] -> [..., F]. On CUDA the Triton kernel of `tfm_kernels.swiglu`
     (its backward reads gate and up once and writes their gradient in place of a concatenation)."""
-    if gate_up.is_cuda and gate_up.dtype in (torch.float16, torch.bfloat16, torch.float32):
+    if kernel_device(gate_up) and gate_up.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from tfm_kernels.swiglu import swiglu as fused_swiglu
         return fused_swiglu(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -384,7 +384,7 @@ class Weaver(nn.Module):
         cand_ids/cand_logits given as tables [R, K]; the kernels read those rows in place of a gather.
         """
         query = linear(h, self.lm_head_query_in, norm=self.out_norm)                     # [..., d_model]
-        kernels = (scoring.kernels and query.is_cuda and query.dtype != torch.float64
+        kernels = (scoring.kernels and kernel_device(query) and query.dtype != torch.float64
                    and not lm_head_weight.requires_grad)
         K = cand_ids.shape[-1]
         if rows is not None:

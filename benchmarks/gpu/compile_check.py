@@ -20,7 +20,8 @@ and per call, and the total at the real depth: SmolLM2's 30 layers, Qwen3.6-27B'
 layers) and the Weaver build's first phase per width. `--out` writes them as a results file.
 
 The runtime's device test (`tfm_runtime.models.common.kernel_device`, which every kernel path asks) and the
-device's SM count and capability are patched for the run. A few minutes on 2 cores cold, one or two with a warm Triton cache.
+device's SM count and capability are patched for the run. A few minutes on 2 cores cold, one or two with a warm
+Triton cache.
 
   python -m benchmarks.gpu.compile_check [--arch 90] [--out benchmarks/results/kernel_launches_cpu.json]
 """

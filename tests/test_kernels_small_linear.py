@@ -101,7 +101,7 @@ def test_bad_input():
              dict(x=x.double(), weight=w.double()), dict(x=x, weight=w.half()),
              dict(x=x, weight=w, index=torch.zeros(2, dtype=torch.int32)),
              dict(x=torch.zeros(2, 3, 8), weight=w, index=torch.zeros(2, dtype=torch.long)),
-             dict(x=torch.zeros(8, 3).t(), weight=w)]
+             dict(x=torch.zeros(8, 3).t(), weight=w), dict(x=x, weight=w, bias=torch.zeros(8)[::2])]
     for case in cases:
         with pytest.raises(ValueError, match="small_linear"):
             small_linear(**case)

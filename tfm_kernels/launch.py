@@ -1,4 +1,4 @@
-"""Launch features shared by the kernels: programmatic dependent launch (PDL)."""
+"""Launch features shared by the kernels: programmatic dependent launch (PDL), rows of a strided tensor."""
 import functools
 import os
 
@@ -22,3 +22,15 @@ def pdl_supported(device: torch.device) -> bool:
     the interpreter has none."""
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.is_available()
             and _triton_has_pdl() and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def strided_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., C] as [M, C] rows at one stride with a contiguous last dim (what a kernel reading rows `s` apart
+    takes): a view where one exists, else a copy."""
+    C = x.shape[-1]
+    if x.stride(-1) == 1:
+        try:
+            return x.view(-1, C)
+        except RuntimeError:                          # rows at more than one stride
+            pass
+    return x.reshape(-1, C).contiguous()

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tfm_kernels.launch import strided_rows
+
 SMALL_M = 64    # the row counts this kernel is for: each of the cdiv(M, 16) row blocks reads the whole weight
 
 
@@ -148,6 +150,22 @@ def small_qkv_rope_kernel(x, nw, nb, w, cos, sin, pos, q, k, v, M, T, K, s_x, s_
         tl.store(dst + HALF, x2.to(dt), mask=m_y)
 
 
+def _check(name: str, x: torch.Tensor, tensors, norm_weight, norm_bias, index) -> None:
+    """What both wrappers ask of their inputs: x and `tensors` (None skipped) of one float dtype (fp16 / bf16 / fp32)
+    and device, each with a contiguous last dim; the index (or positions) on that device; no norm bias without a
+    norm weight."""
+    ts = [t for t in tensors if t is not None]
+    if norm_bias is not None and norm_weight is None:
+        raise ValueError(f"{name}: norm_bias needs norm_weight")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or any(t.dtype != x.dtype for t in ts):
+        raise ValueError(f"{name} expects fp16, bf16 or fp32 tensors of one dtype, got x {x.dtype} and "
+                         f"{sorted({str(t.dtype) for t in ts})}")
+    if any(t.device != x.device for t in ts) or (index is not None and index.device != x.device):
+        raise ValueError(f"{name} expects every tensor on one device")
+    if x.stride(-1) != 1 or any(t.stride(-1) != 1 for t in ts):
+        raise ValueError(f"{name} expects tensors with a contiguous last dim")
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  index: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                  norm_bias: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
@@ -179,22 +197,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                            ("residual", residual, (*lead, N))):
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"small_linear expects {name} {list(shape)}, got {list(t.shape)}")
-    if norm_bias is not None and norm_weight is None:
-        raise ValueError("small_linear: norm_bias needs norm_weight")
-    ts = [t for t in (weight, bias, norm_weight, norm_bias, residual) if t is not None]
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or any(t.dtype != x.dtype for t in ts):
-        raise ValueError(f"small_linear expects fp16, bf16 or fp32 tensors of one dtype, got x {x.dtype} and "
-                         f"{sorted({str(t.dtype) for t in ts})}")
-    if any(t.device != x.device for t in ts) or (index is not None and index.device != x.device):
-        raise ValueError("small_linear expects every tensor on one device")
-    if x.stride(-1) != 1 or weight.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
-        raise ValueError("small_linear expects x, weight and residual with a contiguous last dim")
+    _check("small_linear", x, (weight, bias, norm_weight, norm_bias, residual), norm_weight, norm_bias, index)
     if index is not None:
         x2, idx = x, index.reshape(-1).contiguous()
     else:
-        x2, idx = _rows(x), None
+        x2, idx = strided_rows(x), None
     M = idx.shape[0] if idx is not None else x2.shape[0]
-    r2 = _rows(residual) if residual is not None else None
+    r2 = strided_rows(residual) if residual is not None else None
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         BM, BN, BK = 16, 16 if N <= 1024 else 32, max(16, min(128, triton.next_power_of_2(K)))
@@ -242,19 +251,10 @@ def small_qkv_rope(x: torch.Tensor, weight: torch.Tensor, num_heads: int, cos: t
             raise ValueError(f"small_qkv_rope expects {name} {list(shape)}, got {list(t.shape)}")
     if positions is not None and positions.dtype != torch.long:
         raise ValueError(f"small_qkv_rope expects long positions, got {positions.dtype}")
-    if norm_bias is not None and norm_weight is None:
-        raise ValueError("small_qkv_rope: norm_bias needs norm_weight")
-    ts = [t for t in (weight, cos, sin, norm_weight, norm_bias, k_out, v_out) if t is not None]
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or any(t.dtype != x.dtype for t in ts):
-        raise ValueError(f"small_qkv_rope expects fp16, bf16 or fp32 tensors of one dtype, got x {x.dtype} and "
-                         f"{sorted({str(t.dtype) for t in ts})}")
-    if any(t.device != x.device for t in ts + ([positions] if positions is not None else [])):
-        raise ValueError("small_qkv_rope expects every tensor on one device")
-    if any(t.stride(-1) != 1 for t in (x, weight, k_out if k_out is not None else x, v_out if v_out is not None
-                                       else x)):
-        raise ValueError("small_qkv_rope expects x, weight, k_out and v_out with a contiguous last dim")
+    _check("small_qkv_rope", x, (weight, norm_weight, norm_bias, k_out, v_out, cos, sin), norm_weight, norm_bias,
+           positions)
     cos, sin = cos.contiguous(), sin.contiguous()
-    x2 = _rows(x)
+    x2 = strided_rows(x)
     q = torch.empty(B, NH, T, hd, dtype=x.dtype, device=x.device)
     k = torch.empty_like(q) if k_out is None else k_out
     v = torch.empty_like(q) if v_out is None else v_out
@@ -268,10 +268,3 @@ def small_qkv_rope(x: torch.Tensor, weight: torch.Tensor, num_heads: int, cos: t
         IEEE=x.dtype == torch.float32, BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
     return q, k, v
 
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t [..., C] as [M, C] rows at one stride with a contiguous last dim: a view where one exists, else a copy."""
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:                              # rows at more than one stride
-        return t.reshape(-1, t.shape[-1]).contiguous()

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tfm_kernels.launch import strided_rows
+
 
 @triton.jit
 def _gate_up_tile(x, N, F, BN: tl.constexpr, BF: tl.constexpr):
@@ -68,24 +70,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"silu_mul expects fp16, bf16 or fp32, got {gate.dtype}")
     F = gate.shape[-1]
-    g2, u2 = _strided_rows(gate), _strided_rows(up)
+    g2, u2 = strided_rows(gate), strided_rows(up)
     y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if g2.numel():
         BN, BF = 4, min(1024, triton.next_power_of_2(F))
         silu_mul_kernel[(triton.cdiv(g2.shape[0], BN), triton.cdiv(F, BF))](
             g2, u2, y, g2.shape[0], F, g2.stride(0), u2.stride(0), BN=BN, BF=BF, num_warps=8)
     return y.view(gate.shape)
-
-
-def _strided_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., F] as [N, F] rows at one stride with a contiguous last dim: a view where one exists, else a copy."""
-    F = x.shape[-1]
-    if x.stride(-1) == 1:
-        try:
-            return x.view(-1, F)
-        except RuntimeError:                          # rows at more than one stride
-            pass
-    return x.reshape(-1, F).contiguous()
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, int], dict]:

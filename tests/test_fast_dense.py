@@ -9,7 +9,7 @@ import torch
 from fast_sampling import assert_sampling_equals_reference
 
 from tfm_runtime.engine import SpeculativeDecoder
-from tfm_runtime.fast import DenseConfig, DenseModel, FastDecoder, GraphedTarget
+from tfm_runtime.fast import DenseConfig, DenseModel, DenseOutput, FastDecoder, GraphedTarget
 from tfm_runtime.fast.graphs import pad_tree
 from tfm_runtime.fast.weaver_tree import ancestor_masks, weaver_tree_rounds
 from tfm_runtime.models.tree_target import TreeVerifier
@@ -189,7 +189,8 @@ def test_greedy_equals_reference_decoder_and_hf(small_worlds, family, proposal, 
 
 def test_profiled_stages_and_the_one_host_read(small_worlds):
     """profile=True times every stage (a sync after each); off, the loop is one `step` entry and the same tokens come
-    out. The verified tree and the target's argmax reach the host in one copy that equals the tree and argmax."""
+    out. The round's readout (one copy) holds the verified tree, the target's argmax per node and the path the
+    device accepted, which is the greedy verifier's."""
     w = small_worlds["llama"]
     plain = FastDecoder(w.target, w.drafter, w.weaver, tree_budget=16, proposal="weaver", max_seq_len=96)
     profiled = FastDecoder(w.target, w.drafter, w.weaver, tree_budget=16, proposal="weaver", max_seq_len=96,
@@ -198,13 +199,16 @@ def test_profiled_stages_and_the_one_host_read(small_worlds):
     assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths
     assert set(a.stats.seconds) == {"prefill", "step"}
     assert set(b.stats.seconds) == {"prefill", "draft", "tree", "verify", "commit"}
+    assert b.stats.discarded_rounds == 0 and a.stats.discarded_rounds <= 1   # one round queued ahead, at most
     trees = plain.weaver_builder.result
     want = trees.tree(0)
     logits = torch.randn(want.num_nodes, 8)                               # the verify of the unpadded tree
     for i in range(want.num_nodes):                                       # the target agrees with each node's
         if want.children(i):                                              # first child: a path to a leaf
             logits[i, int(want.tokens[want.children(i)[0]])] = 10.0
-    packed = FastDecoder._pack(trees, logits)
+    host, event = plain._accept(trees, DenseOutput(logits, None, None), hold=False)
+    assert event is None
+    packed, acc = plain._split_readout(host)
     tree, best, truncated = FastDecoder._unpack(packed)
     assert truncated == bool(trees.truncated[0])
     for k in ("tokens", "parents", "depths", "draft_logprobs"):
@@ -212,10 +216,17 @@ def test_profiled_stages_and_the_one_host_read(small_worlds):
     assert tree.draft_logprobs.dtype == torch.float64
     assert best.tolist() == logits.argmax(-1)[:want.num_nodes].tolist()
     assert FastDecoder._unpack(FastDecoder._pack(trees, None))[1] is None
-    # the greedy path the decoder reads off the packed ids before it builds the Tree: the verifier's
-    path = FastDecoder._greedy_path(packed)
-    assert path == verify_greedy_best(tree, best) and len(path[0]) > 2 and not tree.children(path[0][-1])
-    assert FastDecoder._truncated(packed) == truncated
+    path, bonus = verify_greedy_best(tree, best)
+    A = len(path)
+    assert A > 2 and not tree.children(path[-1])
+    assert acc.tolist() == path + [0] * (plain.amax - A) + [A, path[-1], bonus]
+    assert torch.equal(plain.accept_dev.cpu(), acc)
+    assert not bool(trees.truncated[0])
+    held = plain._split_readout(plain._accept(trees, DenseOutput(logits, None, None), hold=True)[0])[1]
+    assert torch.equal(held, acc)                                         # hold: only unfinished trees
+    trees.truncated.fill_(True)
+    held = plain._split_readout(plain._accept(trees, DenseOutput(logits, None, None), hold=True)[0])[1]
+    assert held.tolist() == [0] * plain.amax + [0, -1, int(tree.tokens[0])]   # accepts nothing
 
 
 @pytest.mark.parametrize("proposal,verification", [("chain", "chain_sampling"), ("ddtree", "target_only"),
@@ -258,7 +269,7 @@ def test_trees_come_from_the_static_builders(small_worlds, monkeypatch, proposal
     out = dec.generate(SMALL_PROMPT, max_new_tokens=16)
     assert out.tokens == ref.tokens
     assert out.stats.accept_lengths == ref.stats.accept_lengths and out.stats.tree_sizes == ref.stats.tree_sizes
-    assert len(builds) == out.stats.verify_steps
+    assert len(builds) == out.stats.verify_steps + out.stats.discarded_rounds   # rounds queued ahead, unused
     if proposal != "chain":                           # random chains are rejected at once here
         assert max(out.stats.accept_lengths) >= 3
 
@@ -266,9 +277,10 @@ def test_trees_come_from_the_static_builders(small_worlds, monkeypatch, proposal
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_weaver_tree_finished_after_the_verify_is_verified_again(small_worlds, monkeypatch, padded):
     """A first phase too short for every tree (R1 = 1 round). Padded (the CUDA-graph path), the build runs its
-    first phase only, the verify's one host read finds the tree truncated, the second phase completes it and the
-    tree is verified again; unpadded, the build completes it before the verify. Either way: the reference's tokens
-    and statistics."""
+    first phase only, the unfinished tree commits nothing (nor does the round queued after it, which builds the same
+    tree), the host reads it, the second phase completes it and the tree is verified again; unpadded, the build
+    completes it before the verify. Either way: the reference's tokens and statistics, and every verify but the
+    discarded rounds' is a round of the output."""
     w = small_worlds["llama"]
     kw = dict(tree_budget=16, proposal="weaver")
     ref = SpeculativeDecoder(w.target, w.drafter, w.weaver, **kw).generate(SMALL_PROMPT, max_new_tokens=16)
@@ -277,10 +289,16 @@ def test_a_weaver_tree_finished_after_the_verify_is_verified_again(small_worlds,
     dec.weaver_builder.first_rounds = 1
     verifies, real = [], dec.runner.verify_tree
     monkeypatch.setattr(dec.runner, "verify_tree", lambda *a: verifies.append(1) or real(*a))
+    finishes, real_finish = [], dec.weaver_builder.finish
+    monkeypatch.setattr(dec.weaver_builder, "finish", lambda: finishes.append(1) or real_finish())
     out = dec.generate(SMALL_PROMPT, max_new_tokens=16)
     assert out.tokens == ref.tokens and out.stats.accept_lengths == ref.stats.accept_lengths
     assert out.stats.tree_sizes == ref.stats.tree_sizes
-    assert len(verifies) == out.stats.verify_steps * (2 if padded else 1)
+    assert len(verifies) == out.stats.verify_steps + out.stats.discarded_rounds
+    if padded:                                        # each round: held, its twin held, then finished
+        assert len(finishes) == out.stats.verify_steps and out.stats.discarded_rounds >= 2 * len(finishes) - 1
+    else:
+        assert out.stats.discarded_rounds <= 1
 
 
 def test_ancestor_masks_equal_the_tree_s():
@@ -400,12 +418,11 @@ def test_cuda_graphs_equal_eager_on_cuda(proposal):
     kw = dict(tree_budget=16, proposal=proposal, max_seq_len=96)
     graphed = FastDecoder(w.target, w.drafter, adapter, cuda_graphs=True, **kw)
     assert graphed.runner.enabled and sorted(graphed.runner.graphs) == [1, graphed.max_nodes]
-    paths = range(1, min(w.drafter.lookahead + 1, graphed.max_nodes) + 1)      # a commit graph per path length
-    assert sorted(graphed.commit_graphs) == list(paths)
+    assert graphed.commit_graph is not None                             # one commit graph for any path length
     eager = FastDecoder(w.target, w.drafter, adapter, **kw)
     a, b = graphed.generate(SMALL_PROMPT, 24), eager.generate(SMALL_PROMPT, 24)
-    packs = [[k for k in d._graphs if k[0] == "pack"] for d in (graphed, eager)]
-    assert len(packs[0]) == 1 and not packs[1]                          # the host read packs in a graph
+    packs = [[k for k in d._graphs if k[0] == "accept"] for d in (graphed, eager)]
+    assert len(packs[0]) in (1, 2) and not packs[1]    # acceptance and readout in a graph (2: a held tree's finish)
     assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths
     assert a.stats.tree_sizes == b.stats.tree_sizes
     static = {"chain": "chain_builder", "ddtree": "ddtree_builder", "weaver": "weaver_builder"}[proposal]

@@ -182,6 +182,21 @@ def test_greedy_equals_reference_decoder_and_hf(small_worlds, family, proposal, 
     assert fast.generate_autoregressive(SMALL_PROMPT, 14).tokens == out.tokens
 
 
+def test_an_unfinished_weaver_tree_commits_nothing(small_worlds):
+    """Trees verified padded with a first phase too short for them (R1 = 1): the unfinished tree's round and the one
+    queued after it commit nothing (leaf -1: the GDN states stay; the Triton commits' -1 is tested with the
+    kernels), then the finished tree is verified and committed. The reference's tokens and statistics."""
+    w = small_worlds["qwen3_next"]
+    kw = dict(tree_budget=12, proposal="weaver")
+    ref = SpeculativeDecoder(w.target, w.drafter, w.weaver, **kw).generate(SMALL_PROMPT, max_new_tokens=10)
+    dec = FastDecoder(w.target, w.drafter, w.weaver, max_seq_len=48, gdn_backend="torch", **kw)
+    dec.pad_trees = True
+    dec.weaver_builder.first_rounds = 1
+    out = dec.generate(SMALL_PROMPT, max_new_tokens=10)
+    assert out.tokens == ref.tokens and out.stats.accept_lengths == ref.stats.accept_lengths
+    assert out.stats.tree_sizes == ref.stats.tree_sizes and out.stats.discarded_rounds >= out.stats.verify_steps
+
+
 @pytest.mark.parametrize("proposal,verification", [("chain", "chain_sampling"), ("ddtree", "target_only"),
                                                    ("weaver", "traversal")])
 def test_sampling_equals_reference_decoder(small_worlds, proposal, verification):
@@ -392,12 +407,11 @@ def test_cuda_graphs_on_cuda(family, proposal):
     kw = dict(tree_budget=16, proposal=proposal, max_seq_len=96)
     graphed = FastDecoder(w.target, w.drafter, adapter, cuda_graphs=True, **kw)
     assert graphed.runner.enabled and sorted(graphed.runner.commits) == [1, graphed.max_nodes]
-    paths = range(1, min(w.drafter.lookahead + 1, graphed.max_nodes) + 1)      # a commit graph per path length
-    assert sorted(graphed.commit_graphs) == list(paths)
+    assert graphed.commit_graph is not None                             # one commit graph for any path length
     eager = FastDecoder(w.target, w.drafter, adapter, **kw)
     a, b = graphed.generate(SMALL_PROMPT, 24), eager.generate(SMALL_PROMPT, 24)
-    packs = [[k for k in d._graphs if k[0] == "pack"] for d in (graphed, eager)]
-    assert len(packs[0]) == 1 and not packs[1]                          # the host read packs in a graph
+    packs = [[k for k in d._graphs if k[0] == "accept"] for d in (graphed, eager)]
+    assert len(packs[0]) in (1, 2) and not packs[1]    # acceptance and readout in a graph (2: a held tree's finish)
     assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths
     torch.testing.assert_close(graphed.model.rec, eager.model.rec, atol=1e-5, rtol=0)
     torch.testing.assert_close(graphed.model.conv, eager.model.conv, atol=1e-5, rtol=0)

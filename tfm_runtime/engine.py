@@ -37,6 +37,7 @@ class DecodeStats:
     accept_lengths: list[int] = field(default_factory=list)     # per round: accepted drafts + bonus
     seconds: dict[str, float] = field(default_factory=lambda: Counter())
     tree_sizes: list[int] = field(default_factory=list)
+    discarded_rounds: int = 0   # rounds run ahead of the host's reads and not used (tfm_runtime.fast.FastDecoder)
 
     @property
     def acceptance_length(self) -> float:

@@ -9,7 +9,7 @@ next call. Without CUDA, or for a tree larger than every captured size, the call
 Hybrid (GDN) targets: the verify graph of size N also leaves its GDN stash (what the commit reads) in static tensors,
 and a second graph per size writes the GDN states after a leaf held in a static buffer into the pools; the K/V
 compaction of the commit (a gather and a scatter of the accepted path's length) runs eagerly. `commit_ops` gives
-both halves as ops for a caller's own graph (FastDecoder captures the whole commit stage per accepted length).
+both halves as ops for a caller's own graph (FastDecoder captures the whole commit stage in one).
 """
 from __future__ import annotations
 
@@ -131,17 +131,17 @@ class GraphedTarget:
         graph.replay()
         self.model._stash, self.last = None, None
 
-    def commit_ops(self, N: int, start: torch.Tensor, accepted: torch.Tensor) -> None:
+    def commit_ops(self, N: int, start: torch.Tensor, accepted: torch.Tensor, leaf: torch.Tensor | None = None) -> None:
         """The commit after a verify of size N as ops that a caller may capture in a CUDA graph of its own
-        (FastDecoder's commit graphs): the K/V compaction and, for hybrid targets, the GDN states after the leaf
-        accepted[-1] from size N's stash (after an eager verify: the model's own commit). start [1], accepted [A]
-        long on the device. After replaying such a graph, call `committed`."""
-        if N not in self.graphs:
-            return self.model.commit(start, accepted)
+        (FastDecoder's commit graph): the K/V compaction of `accepted` and, for hybrid targets, the GDN states after
+        `leaf` (default accepted[-1:]; -1: keep the committed states) from size N's stash (after an eager verify: the
+        model's own). start [1], accepted [A], leaf [1] long on the device. After replaying such a graph, call
+        `committed`."""
         DenseModel.commit(self.model, start, accepted)
         if self.hybrid:
-            self.model._stash = self.stashes[N]
-            self.model.commit_states(accepted[-1:])
+            if N in self.graphs:
+                self.model._stash = self.stashes[N]
+            self.model.commit_states(accepted[-1:] if leaf is None else leaf)
 
     def committed(self) -> None:
         """The bookkeeping of a commit that a caller's graph of `commit_ops` did: the verify's stash is spent."""

@@ -500,7 +500,7 @@ class HybridModel(DenseModel):
 
     def commit_states(self, leaf: torch.Tensor) -> None:
         """leaf [1] long: write each GDN layer's state after that node of the last verified tree into the pools
-        (the GDN half of `commit`; K/V untouched)."""
+        (the GDN half of `commit`; K/V untouched); -1 keeps the committed states (no host read)."""
         tree, self._stash = self._stash, None
         if self.gdn == "triton":
             from tfm_kernels.gdn_tree import tree_conv1d_commit, tree_gdn_commit
@@ -511,10 +511,11 @@ class HybridModel(DenseModel):
                                 if self.dtype == torch.float32 else "tf32")
                 tree_conv1d_commit(tree.mixed[j], self.conv, leaf32, tree.parents, idx)
             return
-        rows = tree.win.index_select(0, leaf)[0, 1:]                                        # [W-1] newest W-1 inputs
+        keep, at = leaf >= 0, leaf.clamp(min=0)                                             # [1], [1]
+        rows = tree.win.index_select(0, at)[0, 1:]                                          # [W-1] newest W-1 inputs
         for j in range(self.num_gdn):
-            self.rec[j].copy_(tree.states[j].index_select(0, leaf)[0])
-            self.conv[j].copy_(tree.ext[j].index_select(0, rows).transpose(0, 1))
+            self.rec[j].copy_(torch.where(keep, tree.states[j].index_select(0, at)[0], self.rec[j]))
+            self.conv[j].copy_(torch.where(keep, tree.ext[j].index_select(0, rows).transpose(0, 1), self.conv[j]))
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor) -> DenseOutput:

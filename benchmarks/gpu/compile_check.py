@@ -9,7 +9,8 @@ checked against the card's 227 KiB per block. The runtime runs on CPU tensors at
   hybrid target at the Qwen3.6-27B GDN / attention head shapes (small hidden size): prefill, tree verify at 17 / 33
   / 65 / 129 nodes, commit, decode (gdn="triton", tree attention); a dense target at SmolLM2-135M's shapes: tree
   verify, commit, decode; the static Weaver tree build (SmolLM2 and Qwen3.6-27B presets, budgets 32 / 64 / 128,
-  widths 2-16) with its frontier kernels, Weaver steps and candidate scoring; ancestor masks and their packing.
+  widths 2-16) with its frontier kernels, Weaver steps and candidate scoring; ancestor masks and their packing; the
+  decoder's greedy acceptance at 17 / 65 / 129 nodes.
 
 Kernel outputs are left unwritten (their buffers hold whatever they held): only compilation is checked, the results
 are the GPU tests' business.
@@ -189,6 +190,16 @@ def _per_layer(check, build, small: int, big: int, groups: int) -> dict:
     return rows
 
 
+def _accept() -> None:
+    """Compile the greedy acceptance (`tfm_kernels.greedy_accept`) at tree sizes 17 / 65 / 129, paths of 16 nodes,
+    with and without `hold`."""
+    from tfm_kernels.greedy_accept import greedy_accept
+    for n in (17, 65, 129):
+        z, one = torch.zeros(1, n, dtype=torch.long), torch.ones(1, dtype=torch.long)
+        greedy_accept(z, z, z, one, 16)
+        greedy_accept(z, z, z, one, 16, hold=torch.zeros(1, dtype=torch.bool))
+
+
 @torch.no_grad()
 def _weaver(check, dtype) -> dict:
     """Compile the static Weaver build (both phases) at each preset, budget and width -> launches of the first
@@ -232,6 +243,7 @@ def main(argv=None) -> int:
         targets = {"SmolLM2-135M (dense, 30 layers)": _per_layer(check, lambda n: _dense(n, dt), 1, 2, 30),
                    "Qwen3.6-27B (hybrid, 16 x (3 GDN + 1 attention))":
                        _per_layer(check, lambda n: _hybrid(n, dt), 4, 8, 16)}
+        _accept()
         print(f"targets: {len(check.records)} launches compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
         builds = _weaver(check, dt)
         print(f"Weaver builds: {len(check.records)} launches compiled ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -228,6 +228,9 @@ class FastDecoder:
                 raise RuntimeError(f"internal: no round fits the cache after {start} committed tokens")
             t = self._tick(stats, "commit", t)
         stats.discarded_rounds += len(pending)
+        if pending and pending[-1][1] is not None:    # the device's time for rounds run ahead counts as the loop's
+            pending[-1][1].synchronize()
+            self._tick(stats, "commit", t)
 
     def _queue_round(self, b, hold: bool, stats: DecodeStats, t: float):
         """Queue one greedy round (nothing read on the host): draft, build, verify, accept, commit. hold: an

@@ -289,7 +289,8 @@ class FastDecoder:
             dev_buf = self._accept_ops(trees, out.logits, hold)
         if len(self._readouts) != 3 or self._readouts[0].shape != dev_buf.shape:
             # three: a buffer is rewritten only after the host has read it (at most two rounds are in flight)
-            self._readouts = [torch.empty_like(dev_buf, device="cpu", pin_memory=dev_buf.is_cuda) for _ in range(3)]
+            self._readouts = [torch.empty(dev_buf.shape, dtype=dev_buf.dtype, pin_memory=dev_buf.is_cuda)
+                              for _ in range(3)]
         host = self._readouts[self._next_readout]
         self._next_readout = (self._next_readout + 1) % len(self._readouts)
         host.copy_(dev_buf, non_blocking=True)

@@ -301,6 +301,23 @@ def test_a_weaver_tree_finished_after_the_verify_is_verified_again(small_worlds,
         assert out.stats.discarded_rounds <= 1
 
 
+@pytest.mark.parametrize("proposal", ["chain", "weaver"])
+def test_a_request_that_just_fits_the_cache(small_worlds, proposal):
+    """max_seq_len exactly what the request needs (prompt + max_new_tokens + tree nodes - 2): rounds are queued ahead
+    of the host's reads only where their trees fit however long the paths in flight are, so the request decodes as
+    the reference does; one slot fewer is refused up front."""
+    w = small_worlds["llama"]
+    adapter = w.weaver if proposal == "weaver" else None
+    kw = dict(tree_budget=16, proposal=proposal)
+    ref = SpeculativeDecoder(w.target, w.drafter, adapter, **kw).generate(SMALL_PROMPT, max_new_tokens=16)
+    nodes = (16 if proposal == "weaver" else min(16, w.drafter.lookahead)) + 1
+    need = len(SMALL_PROMPT) + 16 + nodes - 2
+    out = FastDecoder(w.target, w.drafter, adapter, max_seq_len=need, **kw).generate(SMALL_PROMPT, 16)
+    assert out.tokens == ref.tokens and out.stats.accept_lengths == ref.stats.accept_lengths
+    with pytest.raises(ValueError, match="cache slots"):
+        FastDecoder(w.target, w.drafter, adapter, max_seq_len=need - 1, **kw).generate(SMALL_PROMPT, 16)
+
+
 def test_ancestor_masks_equal_the_tree_s():
     """ancestor_masks on padded rows: the real nodes' rows are Tree.ancestor_mask, padding sees only itself."""
     tree, _ = branchy_tree([3, 1, 4, 1, 5], 8)

@@ -147,8 +147,9 @@ def test_verify_tree_and_commit_equal_tree_verifier_and_hf(worlds, family):
 @pytest.mark.parametrize("family", DENSE)
 def test_the_rope_kernel_stands_in_for_rotate_and_the_cache_writes(worlds, family, monkeypatch):
     """In CUDA inference a layer's rotary embedding and its K/V cache writes are one launch
-    (`tfm_kernels.rope.rope_cache`, with the norms' kernel). Forced here (the Triton interpreter, fp32), a prefill, a
-    tree verify and a commit give the torch path's logits and caches (to the norms' summation order)."""
+    (`tfm_kernels.rope.rope_cache`, with the norms' kernel), and over few rows its projections with their norms,
+    swiglu and residual adds four (`tfm_kernels.small_linear`). Forced here (the Triton interpreter, fp32), a prefill,
+    a tree verify and a commit give the torch path's logits and caches (to the norms' summation order)."""
     import tfm_runtime.fast.dense as dense
     w = worlds[family]
     tree, path = branchy_tree(hf_greedy(w.target, PROMPT, 5), w.target.vocab_size)

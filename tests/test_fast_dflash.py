@@ -62,11 +62,13 @@ def test_static_drafts_equal_the_reference_drafter(sliding):
 @pytest.mark.parametrize("sliding", [False, True])
 def test_the_rope_kernel_stands_in_for_the_drafters_rotary_and_cache_writes(sliding, monkeypatch):
     """In CUDA inference each layer's q / k rotation and its context-cache writes are one launch
-    (`tfm_kernels.rope.rope_cache`); forced here (the Triton interpreter, float32) the drafts equal the reference
-    drafter's."""
+    (`tfm_kernels.rope.rope_cache`), and its output projection and MLP three (`tfm_kernels.small_linear`); forced
+    here (the Triton interpreter, float32) the drafts equal the reference drafter's."""
     import tfm_runtime.fast.dense as dense
+    import tfm_runtime.fast.dflash as dflash
     drafter, embed, head = drafter_and_weights(sliding, dtype=torch.float32)
     monkeypatch.setattr(dense, "inference_kernel_ok", lambda *a: True)
+    monkeypatch.setattr(dflash, "inference_kernel_ok", lambda *a: True)
     static = StaticDFlash(drafter, embed, head, max_len=64)
     for pair in rounds(drafter, embed, head, static, [1, drafter.cfg.block_size, 3, 2]):
         for got, want in pair:

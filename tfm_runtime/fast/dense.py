@@ -36,6 +36,7 @@ from tfm_kernels.rope import rope_cache as fused_rope_cache
 from tfm_runtime.models.common import inference_kernel_ok, kernel_device, silu_mul
 
 FAMILIES = ("llama", "qwen3")
+SMALL_ROWS = 80     # forwards over at most this many rows (decode, trees of up to 65 nodes) use `_forward_small`
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -412,6 +413,8 @@ class DenseModel:
         c = self.cfg
         T, nh, nkv, D, eps = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         x = F.embedding(tokens, self.embed)                                                 # [T, H]
+        if T <= SMALL_ROWS and inference_kernel_ok(x, self.layers[0].wqkv):
+            return self._forward_small(x, pos, slots, attend)
         h = rms_norm(x, self.layers[0].attn_norm, eps)
         taps = {}
         for i, w in enumerate(self.layers):
@@ -429,6 +432,31 @@ class DenseModel:
                 taps[i] = x
         taps = torch.cat([taps[i] for i in self.tap_layer_ids], -1) if taps else h.new_zeros(T, 0)
         return h, taps
+
+    def _forward_small(self, x, pos, slots, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_forward` from the embeddings x [T, H] over few rows (decode, trees) in CUDA inference: each projection one
+        launch of `tfm_kernels.small_linear` with the norm before it, the swiglu after it or the residual add after
+        it fused in (the same roundings as the modules), so a layer takes six launches and the attention's."""
+        from tfm_kernels.small_linear import small_linear
+        c = self.cfg
+        T, nh, nkv, D, eps = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        taps = {}
+        for i, w in enumerate(self.layers):
+            qkv = small_linear(x, w.wqkv, w.bqkv, norm_weight=w.attn_norm, eps=eps)           # [T, (Hq + 2 Hkv) D]
+            q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
+            q, k, v = q.view(T, nh, D), k.view(T, nkv, D), v.view(T, nkv, D)
+            if c.qk_norm:
+                q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+            q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[i], self.v_cache[i])
+            o = attend(i, q, k, v)                                                          # [T, Hq, D]
+            x = small_linear(o.reshape(T, nh * D), w.wo, w.bo, residual=x)                  # [T, H]
+            g = small_linear(x, w.w_gate_up, w.b_gate_up, norm_weight=w.mlp_norm, eps=eps, swiglu=True,
+                             silu_rounded=True)                                             # [T, I]
+            x = small_linear(g, w.w_down, w.b_down, residual=x)                             # [T, H]
+            if i in self.tap_layer_ids:
+                taps[i] = x
+        h = rms_norm(x, self.norm, eps)
+        return h, (torch.cat([taps[i] for i in self.tap_layer_ids], -1) if taps else h.new_zeros(T, 0))
 
     def _sdpa(self, i: int, q: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
         """q [T, Hq, D] over cache slots [0, kv_len) of layer i; mask [T, kv_len] bool, or None for causal."""

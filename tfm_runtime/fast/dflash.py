@@ -15,7 +15,9 @@ queries can see before reading them, so the outputs equal the reference drafter'
 (the reference attends to the concatenated keys without a mask). F = n_taps * H, S = block size, L = S - 1.
 
 Each layer's q, k, v projections run as one GEMM, and its MLP's gate and up as one: the drafter's modules are first
-given one tensor per group (`fast.dense.rehome_model`; they keep working on views of it). With `cuda_graphs` on
+given one tensor per group (`fast.dense.rehome_model`; they keep working on views of it). In CUDA inference the
+draft's output projection, MLP norm and gate / up with the swiglu, and down projection are one launch each
+(`tfm_kernels.small_linear`, the residual adds fused in). With `cuda_graphs` on
 CUDA, `extend` and `draft` replay graphs captured at construction; their outputs are static tensors, valid until the
 next call.
 """
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tfm_runtime.fast.dense import fused_rows, rehome_model, rope_into_cache
-from tfm_runtime.models.common import rope_cos_sin, silu_mul
+from tfm_runtime.models.common import inference_kernel_ok, rope_cos_sin, silu_mul
 from tfm_runtime.models.dflash import DFlashDrafter
 
 
@@ -150,9 +152,20 @@ class StaticDFlash:
                 mask = seen & (self.ar_slots[None, :] > pos[:, None] - cfg.sliding_window)   # [S, slots]
             o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, scale=hd ** -0.5,
                                                enable_gqa=True)                            # [1, nh, S, D]
-            # each residual add with the norm after it (in CUDA inference one launch each, the same roundings)
-            x, h = layer.post_attention_layernorm.add(x, att.o_proj(o.transpose(1, 2).reshape(1, S, nh * hd)))
+            o = o.transpose(1, 2).reshape(1, S, nh * hd)                                   # [1, S, nh D]
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.drafter.norm
+            if inference_kernel_ok(x, att.o_proj.weight, att.o_proj.bias):
+                # one launch each: o_proj + residual, norm + gate/up + swiglu, down_proj + residual
+                from tfm_kernels.small_linear import small_linear
+                pn, down, (w, b) = layer.post_attention_layernorm, layer.mlp.down_proj, self.fused[i][2:]
+                x = small_linear(o, att.o_proj.weight, att.o_proj.bias, residual=x)          # [1, S, H]
+                g = small_linear(x, w, b, norm_weight=pn.weight, norm_bias=pn.bias, eps=pn.eps, swiglu=True,
+                                 silu_rounded=True)                                        # [1, S, I]
+                x = small_linear(g, down.weight, down.bias, residual=x)
+                h = nxt(x)
+                continue
+            # each residual add with the norm after it (in CUDA inference one launch each, the same roundings)
+            x, h = layer.post_attention_layernorm.add(x, att.o_proj(o))
             x, h = nxt.add(x, self._mlp(i, h))
         hidden = h[0, 1:]                                                                  # [L, H] final norm
         return hidden @ self.lm_head_weight.T, hidden

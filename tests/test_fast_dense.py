@@ -157,6 +157,7 @@ def test_the_rope_kernel_stands_in_for_rotate_and_the_cache_writes(worlds, famil
     for forced in (False, True):
         if forced:
             monkeypatch.setattr(dense, "inference_kernel_ok", lambda *a: True)
+            monkeypatch.setattr(dense, "small_linear_ok", lambda *a: True)
         m = DenseModel.from_hf(w.target, max_seq_len=32)
         pre = m.prefill(torch.tensor(PROMPT))
         out = m.verify_tree(tree.tokens, tree.depths, tree.ancestor_mask(), len(PROMPT))

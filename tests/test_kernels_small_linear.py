@@ -4,7 +4,8 @@ compared bit for bit), row independence, and bad input; CPU runs use the Triton 
 import pytest
 import torch
 
-from tfm_kernels.small_linear import small_linear, small_linear_ref, small_qkv_rope, small_qkv_rope_ref
+from tfm_kernels.small_linear import (SMALL_M, SMALL_WEIGHT, small_linear, small_linear_fits, small_linear_ref,
+                                     small_qkv_rope, small_qkv_rope_ref)
 from tfm_kernels.swiglu import silu_mul, swiglu
 from tfm_runtime.models.common import RMSNorm
 
@@ -120,6 +121,21 @@ def _qkv_inputs(B, T, K, nh, hd, positions, norm, dtype, device, seed=0):
     return x, w, ang.cos().to(device, dtype), ang.sin().to(device, dtype), pos, kw
 
 
+def test_which_layers_it_is_for(monkeypatch):
+    """small_linear_fits: at most SMALL_M rows (a 65-node tree) and weights of at most SMALL_WEIGHT elements; the
+    runtime's small_linear_ok asks it only in CUDA inference (here the device test said yes)."""
+    import tfm_runtime.models.common as common
+    small, big = torch.zeros(1).expand(3072, 576), torch.zeros(1).expand(SMALL_WEIGHT // 4096 + 1, 4096)
+    assert SMALL_M >= 65 and small_linear_fits(65, small, small) and small_linear_fits(SMALL_M)
+    assert not small_linear_fits(SMALL_M + 1, small) and not small_linear_fits(1, small, big)
+    x = torch.zeros(65, 576)
+    assert not common.small_linear_ok(x, 65, (small,))                       # a CPU tensor: no kernel
+    monkeypatch.setattr(common, "kernel_device", lambda t: True)
+    assert common.small_linear_ok(x, 65, (small,), None)
+    assert not common.small_linear_ok(x, 65, (small, big)) and not common.small_linear_ok(x, SMALL_M + 1, (small,))
+    assert not common.small_linear_ok(x, 65, (small.double(),))              # one dtype
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("B, T, K, nh, hd", [(1, 1, 16, 1, 16), (2, 5, 70, 3, 40), (1, 17, 64, 4, 64),
                                              (3, 2, 130, 2, 8)])
@@ -216,7 +232,8 @@ def test_weaver_linear_takes_the_kernel_in_inference_only(monkeypatch):
     calls = []
     real = kernel_mod.small_linear
     monkeypatch.setattr(kernel_mod, "small_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(weaver_mod, "inference_kernel_ok", lambda x, *p: not (torch.is_grad_enabled() and (
+    import tfm_runtime.models.common as common                                 # small_linear_ok's device rule
+    monkeypatch.setattr(common, "inference_kernel_ok", lambda x, *p: not (torch.is_grad_enabled() and (
         x.requires_grad or any(t is not None and t.requires_grad for t in p))))
     with torch.no_grad():
         got = [weaver_mod.linear(**c) for c in cases]

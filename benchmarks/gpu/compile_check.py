@@ -8,9 +8,10 @@ checked against the card's 227 KiB per block. The runtime runs on CPU tensors at
 
   hybrid target at the Qwen3.6-27B GDN / attention head shapes (small hidden size): prefill, tree verify at 17 / 33
   / 65 / 129 nodes, commit, decode (gdn="triton", tree attention); a dense target at SmolLM2-135M's shapes: tree
-  verify, commit, decode; the static Weaver tree build (SmolLM2 and Qwen3.6-27B presets, budgets 32 / 64 / 128,
-  widths 2-16) with its frontier kernels, Weaver steps and candidate scoring; ancestor masks and their packing; the
-  decoder's greedy acceptance at 17 / 65 / 129 nodes.
+  verify, commit, decode; a DFlash drafter in the committed SmolLM2 drafter's shape: context extend and draft; the
+  static Weaver tree build (SmolLM2 and Qwen3.6-27B presets, budgets 32 / 64 / 128, widths 2-16) with its frontier
+  kernels, Weaver steps and candidate scoring; ancestor masks and their packing; the decoder's greedy acceptance
+  at 17 / 65 / 129 nodes.
 
 Kernel outputs are left unwritten (their buffers hold whatever they held): only compilation is checked, the results
 are the GPU tests' business.
@@ -18,7 +19,7 @@ are the GPU tests' business.
 It also counts the launches of each stage (Triton launches plus the torch ops that launch a kernel: every aten op but
 views and allocations), which set most of a small model's step time: a target's decode and tree verify (per layer
 and per call, and the total at the real depth: SmolLM2's 30 layers, Qwen3.6-27B's 16 groups of 3 GDN + 1 attention
-layers) and the Weaver build's first phase per width. `--out` writes them as a results file.
+layers), a DFlash draft and the Weaver build's first phase per width. `--out` writes them as a results file.
 
 The runtime's device test (`tfm_runtime.models.common.kernel_device`, which every kernel path asks) and the
 device's SM count and capability are patched for the run. A few minutes on 2 cores cold, one or two with a warm
@@ -190,6 +191,23 @@ def _per_layer(check, build, small: int, big: int, groups: int) -> dict:
     return rows
 
 
+@torch.no_grad()
+def _dflash(check, dtype) -> dict:
+    """Compile StaticDFlash's context extend and draft at the committed SmolLM2 drafter's shape (random weights, a
+    49,152-token table) -> the launches of one draft."""
+    import json
+    from tfm_runtime.fast.dflash import StaticDFlash
+    from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "assets", "smollm2-135m-instruct", "dflash-b16", "config.json")) as f:
+        cfg = DFlashConfig.from_hf_dict(json.load(f))
+    drafter = DFlashDrafter(cfg).to(dtype).eval()
+    table = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+    d = StaticDFlash(drafter, table, table, max_len=256)
+    d.prefill(torch.randn(8, len(cfg.target_layer_ids) * cfg.hidden_size, dtype=dtype))
+    return launches(check, lambda: d.draft(torch.tensor([3])))
+
+
 def _accept() -> None:
     """Compile the greedy acceptance (`tfm_kernels.greedy_accept`) at tree sizes 17 / 65 / 129, paths of 16 nodes,
     with and without `hold`."""
@@ -244,6 +262,7 @@ def main(argv=None) -> int:
                    "Qwen3.6-27B (hybrid, 16 x (3 GDN + 1 attention))":
                        _per_layer(check, lambda n: _hybrid(n, dt), 4, 8, 16)}
         _accept()
+        draft = {"SmolLM2-135M DFlash (3 layers, block 16)": _dflash(check, dt)}
         print(f"targets: {len(check.records)} launches compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
         builds = _weaver(check, dt)
         print(f"Weaver builds: {len(check.records)} launches compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -252,6 +271,8 @@ def main(argv=None) -> int:
     for name, stages in targets.items():
         for stage, r in stages.items():
             print(f"{name:50s} {stage:9s} {r['per_group']:15d} {r['fixed']:6d} {r['total']:6d} {r['host_reads']:10d}")
+    for name, r in draft.items():
+        print(f"{name:50s} {'draft':9s} {'':15s} {'':6s} {r['launches']:6d} {r['host_reads']:10d}")
     print(f"\n{'Weaver build, first phase':36s} {'rounds':>6s} {'triton':>6s} {'torch':>6s} {'launches':>8s}")
     for name, r in builds.items():
         print(f"{name:36s} {r['rounds']:6d} {r['triton']:6d} {r['torch']:6d} {r['launches']:8d}")
@@ -265,7 +286,7 @@ def main(argv=None) -> int:
     print(f"{len(worst)} kernels, {len(check.records)} launches compiled for sm_{args.arch}; "
           f"{'over the shared-memory limit: ' + ', '.join(over) if over else 'all within the shared-memory limit'}")
     if args.out:
-        write_results(args.out, {"env": run_env, "arch": f"sm_{args.arch}", "targets": targets,
+        write_results(args.out, {"env": run_env, "arch": f"sm_{args.arch}", "targets": targets, "dflash_draft": draft,
                                  "weaver_build_first_phase": builds,
                                  "max_shared_bytes": {k: sh for k, (sh, _) in sorted(worst.items())}})
     return 1 if over else 0

@@ -2,8 +2,9 @@
 
     y = residual + act(rms_norm(x) @ W.T + b)        x [M, K] (or table rows x = T[index]), W [N_w, K]
 
-one launch where torch takes three to five (the norm, the GEMM, the activation, the residual add). Made for the
-Weaver's tree-build steps, whose matrices have 1-16 rows and whose time is mostly launches. Each program computes a
+one launch where torch takes three to five (the norm, the GEMM, the activation, the residual add). Made for layers
+whose time is mostly launches: few rows and small weights (`small_linear_fits`), as in the Weaver's tree-build
+steps and the forwards of small targets and drafters over a tree or a draft block. Each program computes a
 [BM, BN] tile of y over the whole K: with `norm` it first sums the squares of its rows (x is a few KB, read again
 from L2), then normalises each [BM, BK] chunk of x as it is loaded; with `swiglu` it accumulates the gate and the
 up tile of its columns (W rows n and N + n) and multiplies them in the epilogue. A row's result does not depend on
@@ -21,7 +22,16 @@ import triton.language as tl
 
 from tfm_kernels.launch import strided_rows
 
-SMALL_M = 64    # the row counts this kernel is for: each of the cdiv(M, 16) row blocks reads the whole weight
+SMALL_M = 80            # the row counts this kernel is for (five 16-row blocks: a 65-node tree, the Weaver's
+                        # steps): each row block reads the whole weight
+SMALL_WEIGHT = 1 << 24  # the weights it is for (elements; 32 MB in bf16, streamed in ~10 us): launches, not
+                        # bytes, dominate such a layer, and past it cuBLAS's GEMV / GEMM streams faster
+
+
+def small_linear_fits(rows: int, *weights: torch.Tensor) -> bool:
+    """Whether a layer is one `small_linear` is for: at most SMALL_M rows, each weight at most SMALL_WEIGHT
+    elements."""
+    return rows <= SMALL_M and all(w.numel() <= SMALL_WEIGHT for w in weights)
 
 
 @triton.jit

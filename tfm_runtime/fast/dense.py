@@ -33,10 +33,9 @@ import torch.nn.functional as F
 from tfm_kernels.rms_norm import add_rms_norm as fused_add_rms_norm
 from tfm_kernels.rms_norm import rms_norm as fused_rms_norm
 from tfm_kernels.rope import rope_cache as fused_rope_cache
-from tfm_runtime.models.common import inference_kernel_ok, kernel_device, silu_mul
+from tfm_runtime.models.common import inference_kernel_ok, kernel_device, silu_mul, small_linear_ok
 
 FAMILIES = ("llama", "qwen3")
-SMALL_ROWS = 80     # forwards over at most this many rows (decode, trees of up to 65 nodes) use `_forward_small`
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -413,7 +412,8 @@ class DenseModel:
         c = self.cfg
         T, nh, nkv, D, eps = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         x = F.embedding(tokens, self.embed)                                                 # [T, H]
-        if T <= SMALL_ROWS and inference_kernel_ok(x, self.layers[0].wqkv):
+        w = self.layers[0]
+        if small_linear_ok(x, T, (w.wqkv, w.wo, w.w_gate_up, w.w_down), w.attn_norm):
             return self._forward_small(x, pos, slots, attend)
         h = rms_norm(x, self.layers[0].attn_norm, eps)
         taps = {}
@@ -434,9 +434,10 @@ class DenseModel:
         return h, taps
 
     def _forward_small(self, x, pos, slots, attend) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_forward` from the embeddings x [T, H] over few rows (decode, trees) in CUDA inference: each projection one
-        launch of `tfm_kernels.small_linear` with the norm before it, the swiglu after it or the residual add after
-        it fused in (the same roundings as the modules), so a layer takes six launches and the attention's."""
+        """`_forward` from the embeddings x [T, H] in CUDA inference over the rows and weights `small_linear` is for
+        (decode and trees of small targets: launch-bound): each projection one launch of `tfm_kernels.small_linear`
+        with the norm before it, the swiglu after it or the residual add after it fused in (the same roundings as the
+        modules), so a layer takes five launches and the attention's."""
         from tfm_kernels.small_linear import small_linear
         c = self.cfg
         T, nh, nkv, D, eps = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps

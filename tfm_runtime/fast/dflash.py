@@ -15,11 +15,11 @@ queries can see before reading them, so the outputs equal the reference drafter'
 (the reference attends to the concatenated keys without a mask). F = n_taps * H, S = block size, L = S - 1.
 
 Each layer's q, k, v projections run as one GEMM, and its MLP's gate and up as one: the drafter's modules are first
-given one tensor per group (`fast.dense.rehome_model`; they keep working on views of it). In CUDA inference the
-draft's output projection, MLP norm and gate / up with the swiglu, and down projection are one launch each
-(`tfm_kernels.small_linear`, the residual adds fused in). With `cuda_graphs` on
-CUDA, `extend` and `draft` replay graphs captured at construction; their outputs are static tensors, valid until the
-next call.
+given one tensor per group (`fast.dense.rehome_model`; they keep working on views of it). In CUDA inference, for
+drafters whose weights `tfm_kernels.small_linear` is for (launch-bound ones), the draft's output projection, MLP
+norm and gate / up with the swiglu, and down projection are one launch each (the residual adds fused in).
+With `cuda_graphs` on CUDA, `extend` and `draft` replay graphs captured at construction; their outputs are static
+tensors, valid until the next call.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tfm_runtime.fast.dense import fused_rows, rehome_model, rope_into_cache
-from tfm_runtime.models.common import inference_kernel_ok, rope_cos_sin, silu_mul
+from tfm_runtime.models.common import rope_cos_sin, silu_mul, small_linear_ok
 from tfm_runtime.models.dflash import DFlashDrafter
 
 
@@ -154,10 +154,10 @@ class StaticDFlash:
                                                enable_gqa=True)                            # [1, nh, S, D]
             o = o.transpose(1, 2).reshape(1, S, nh * hd)                                   # [1, S, nh D]
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.drafter.norm
-            if inference_kernel_ok(x, att.o_proj.weight, att.o_proj.bias):
+            pn, down, (w, b) = layer.post_attention_layernorm, layer.mlp.down_proj, self.fused[i][2:]
+            if small_linear_ok(x, S, (att.o_proj.weight, w, down.weight), att.o_proj.bias, b, down.bias, pn.weight):
                 # one launch each: o_proj + residual, norm + gate/up + swiglu, down_proj + residual
                 from tfm_kernels.small_linear import small_linear
-                pn, down, (w, b) = layer.post_attention_layernorm, layer.mlp.down_proj, self.fused[i][2:]
                 x = small_linear(o, att.o_proj.weight, att.o_proj.bias, residual=x)          # [1, S, H]
                 g = small_linear(x, w, b, norm_weight=pn.weight, norm_bias=pn.bias, eps=pn.eps, swiglu=True,
                                  silu_rounded=True)                                        # [1, S, I]

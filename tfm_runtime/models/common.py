@@ -25,6 +25,17 @@ def inference_kernel_ok(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in ps))))
 
 
+def small_linear_ok(x: torch.Tensor, rows: int, weights: tuple[torch.Tensor, ...],
+                    *others: torch.Tensor | None) -> bool:
+    """Whether `tfm_kernels.small_linear` computes a layer (or a model's layers, weights being all of theirs): CUDA
+    inference (`inference_kernel_ok` of x, the weights and the other tensors it reads) over rows and weights it is
+    for (`small_linear_fits`)."""
+    if not inference_kernel_ok(x, *weights, *others):
+        return False
+    from tfm_kernels.small_linear import small_linear_fits
+    return small_linear_fits(rows, *weights)
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight (+ bias). Computed in fp32, returned in the input dtype; in CUDA inference one launch
     of `tfm_kernels.rms_norm` with the same roundings."""

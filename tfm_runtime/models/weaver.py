@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tfm_runtime.models.common import (RMSNorm, apply_rope, inference_kernel_ok, kernel_device, load_safetensors_dir,
-                                       load_strict, rope_cos_sin, save_safetensors_dir)
+                                       load_strict, rope_cos_sin, save_safetensors_dir, small_linear_ok)
 
 if TYPE_CHECKING:
     from tfm_kernels.candidate_logits.grouped import GroupedTuning
@@ -95,24 +95,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _small(x: torch.Tensor, rows: int, *params: torch.Tensor | None) -> bool:
-    """Whether `tfm_kernels.small_linear` computes a layer: CUDA inference (`inference_kernel_ok`) over at most its
-    SMALL_M rows."""
-    if not inference_kernel_ok(x, *params):
-        return False
-    from tfm_kernels.small_linear import SMALL_M
-    return rows <= SMALL_M
-
-
 def linear(x: torch.Tensor, lin: nn.Linear, *, norm: RMSNorm | None = None, index: torch.Tensor | None = None,
            act_swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + act(lin(norm(x))), each part optional: x [..., in] (with `index` [...]: a table [V, in] read at
     those rows, an embedding lookup) -> [..., out] (act_swiglu: `swiglu` of lin's [gate, up] output, out = half of
-    lin's). In CUDA inference over at most `tfm_kernels.small_linear.SMALL_M` rows (the tree build's steps): one
-    launch of `tfm_kernels.small_linear` with the same roundings; otherwise the modules one after the other."""
+    lin's). In CUDA inference over the rows and weights `tfm_kernels.small_linear` is for (the tree build's steps,
+    `small_linear_ok`): one launch of it with the same roundings; otherwise the modules one after the other."""
     nw, nb = (norm.weight, norm.bias) if norm is not None else (None, None)
     rows = index.numel() if index is not None else x.numel() // max(x.shape[-1], 1)
-    if _small(x, rows, lin.weight, lin.bias, nw, nb, residual):
+    if small_linear_ok(x, rows, (lin.weight,), lin.bias, nw, nb, residual):
         from tfm_kernels.small_linear import small_linear
         return small_linear(x, lin.weight, lin.bias, index=index, norm_weight=nw, norm_bias=nb,
                             eps=norm.eps if norm is not None else 0.0, swiglu=act_swiglu, residual=residual)
@@ -155,7 +146,8 @@ class WeaverBlock(nn.Module):
         included; over more, `linear` then one launch of `tfm_kernels.rope`."""
         B, T, r = x.shape
         norm = self.attn_norm
-        if cos.dim() == 2 and _small(x, B * T, self.qkv_proj.weight, norm.weight, norm.bias, cos, sin, k_out, v_out):
+        if cos.dim() == 2 and small_linear_ok(x, B * T, (self.qkv_proj.weight,), norm.weight, norm.bias, cos, sin,
+                                              k_out, v_out):
             from tfm_kernels.small_linear import small_qkv_rope
             return small_qkv_rope(x, self.qkv_proj.weight, self.nh, cos, sin, positions, norm_weight=norm.weight,
                                   norm_bias=norm.bias, eps=norm.eps, k_out=k_out, v_out=v_out)
@@ -178,7 +170,7 @@ class WeaverBlock(nn.Module):
         B, _, T, hd = q.shape
         o = small_attention(q, k, v, mask).transpose(1, 2).reshape(B, T, self.nh * hd)   # [B, T, r]
         gu, norm = self.gate_up_proj, self.mlp_norm
-        if _small(x, B * T, self.o_proj.weight, gu.weight, gu.bias, norm.weight, norm.bias):
+        if small_linear_ok(x, B * T, (self.o_proj.weight, gu.weight), gu.bias, norm.weight, norm.bias):
             x = linear(o, self.o_proj, residual=x)
             y = linear(x, gu, norm=norm, act_swiglu=True)                                # [B, T, mlp]
         else:                                         # the residual add and the norm after it: one launch on CUDA

@@ -320,6 +320,21 @@ def test_a_request_that_just_fits_the_cache(small_worlds, proposal):
         FastDecoder(w.target, w.drafter, adapter, max_seq_len=need - 1, **kw).generate(SMALL_PROMPT, 16)
 
 
+def test_eos_ends_the_request_as_in_the_reference(small_worlds):
+    """An EOS token mid-round: the output stops after it as the reference's does (the round queued after it is
+    discarded), and the next request on the same decoder starts clean."""
+    w = small_worlds["llama"]
+    kw = dict(tree_budget=16, proposal="weaver")
+    dec, ref = FastDecoder(w.target, w.drafter, w.weaver, max_seq_len=64, **kw), SpeculativeDecoder(
+        w.target, w.drafter, w.weaver, **kw)
+    full = dec.generate(SMALL_PROMPT, max_new_tokens=16)
+    eos = full.tokens[6]
+    a, b = dec.generate(SMALL_PROMPT, 16, eos_token_id=eos), ref.generate(SMALL_PROMPT, 16, eos_token_id=eos)
+    assert a.tokens == b.tokens == full.tokens[:full.tokens.index(eos) + 1]
+    assert a.stats.accept_lengths == b.stats.accept_lengths and a.stats.discarded_rounds <= 1
+    assert dec.generate(SMALL_PROMPT, max_new_tokens=16).tokens == full.tokens
+
+
 def test_ancestor_masks_equal_the_tree_s():
     """ancestor_masks on padded rows: the real nodes' rows are Tree.ancestor_mask, padding sees only itself."""
     tree, _ = branchy_tree([3, 1, 4, 1, 5], 8)

@@ -20,7 +20,7 @@
 #                              mkdir -p .carry/base && git archive <rev> tfm_runtime tfm_kernels | tar -x -C .carry/base;
 #                              BASE_REV=<rev>), ~2 min, no target needed
 #   STEP=8 carry .whl .carry   one call, no target: the GPU tests named in TESTS (default: the fast backend's; TESTS_S),
-#                              then step_ab as STEP=7 (ALSO=name=.carry/<dir>: a third checkout in the same turns) and
+#                              then step_ab as STEP=7 (ALSO="name=.carry/<dir> ...": more checkouts in the same turns) and
 #                              the Qwen3.6-27B shape as STEP=6 in the time left (STEPAB_RUNS: step_ab's turns; a
 #                              27B part cut short runs again as STEP=6 in a second, warm call)
 set -u
@@ -100,8 +100,9 @@ case ${STEP:-1} in
       >"$OUT/tests.log" 2>&1
     echo "tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/session.txt"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
+    also=(); for a in ${ALSO:-}; do also+=(--also "$a"); done
     timeout "$(left 440)" python3 -m benchmarks.runtime.step_ab --base .carry/base --base-rev "${BASE_REV:-}" \
-      --runs "${STEPAB_RUNS:-2}" ${ALSO:+--also $ALSO} --out "$OUT/step_ab.json" 2>&1 | tail -10
+      --runs "${STEPAB_RUNS:-2}" ${also[@]+"${also[@]}"} --out "$OUT/step_ab.json" 2>&1 | tail -10
     timeout "$(left 590)" python3 -m benchmarks.runtime.shape27b_bench --out "$OUT/runtime_27b.json" \
       >"$OUT/shape27b.log" 2>&1
     echo "27b shape: exit $? ($(( $(date +%s) - T0 )) s)"; tail -8 "$OUT/shape27b.log" | cut -c1-250 ;;

@@ -43,6 +43,8 @@ from tfm_runtime.models.weaver import Weaver
 from tfm_runtime.sampling import filter_probs
 from tfm_runtime.tree import Tree
 from tfm_runtime.verify import verify_greedy_best
+
+
 class FastDecoder:
     """Speculative decoding of one request at a time, with SpeculativeDecoder's arguments and `generate` API.
 
@@ -176,8 +178,7 @@ class FastDecoder:
             generator = torch.Generator().manual_seed(0 if seed is None else seed)
         rule = self._rule(temperature)
         stats = DecodeStats(prompt_tokens=prompt.numel())
-        if self.profile:
-            self._stage_range("prefill")
+        self._stage_range("prefill")
         t = time.perf_counter()
         out = self.model.prefill(prompt)
         self.dflash.prefill(out.taps)

@@ -11,7 +11,7 @@
            (hybrid: the GDN states after the leaf), DFlash extends its context with their taps, the leaf's hidden
            state, the bonus and the committed length stay on the device for the next round
 
-At T = 0 a round needs nothing from the host, so rounds are queued one ahead of the host's reads: the host reads
+At T = 0 a round needs nothing from the host, so on CUDA rounds are queued one ahead of the host's reads: the host reads
 round r (the tree, the target's argmax per node and the accepted path, one copy), checks it and extends the output
 while the device runs round r + 1. A round queued past the end of the request is discarded. A Weaver tree whose build
 ran its first phase only and left it unfinished (rare, see StaticWeaverTreeBuilder) commits nothing (`hold`), so the
@@ -62,8 +62,8 @@ class FastDecoder:
     tree is the reference's, in two phases of which the second runs only for trees that need it; fewer rounds may
     cut trees short, see tfm_runtime.fast.weaver_tree).
     `profile`: time each stage (prefill, draft, tree, verify, commit in `stats.seconds`) with a device sync after
-    each, one round at a time; off, the loop's time is recorded as `step` and, at T = 0, rounds run one ahead of the
-    host's reads (module docstring; `stats.discarded_rounds` counts the rounds run and not used).
+    each, one round at a time; off, the loop's time is recorded as `step` and, at T = 0 on CUDA, rounds run one
+    ahead of the host's reads (module docstring; `stats.discarded_rounds` counts the rounds run and not used).
     """
 
     # the reference decoder's rule choice, tree building, verification and stage timing, unchanged
@@ -150,6 +150,9 @@ class FastDecoder:
             self.accept_host = self.accept_host.pin_memory()
         self.start_dev = torch.zeros(1, dtype=torch.long, device=dev)           # [1]
         self.h_last = torch.zeros(self.model.embed.shape[-1], dtype=self.model.dtype, device=dev)  # [H]
+        # greedy rounds queued ahead of the host's reads: one on CUDA, none on the CPU (its ops run as they are
+        # called, so a round queued ahead only risks being discarded)
+        self.rounds_ahead = 1 if dev.type == "cuda" else 0
         self._readouts: list[torch.Tensor] = []       # pinned host buffers of the rounds in flight (a ring)
         self._next_readout = 0
         self.commit_graph: torch.cuda.CUDAGraph | None = None      # the commit stage, any accepted length
@@ -206,9 +209,9 @@ class FastDecoder:
     def _greedy_rounds(self, b, start: int, new: list[int], stats: DecodeStats, max_new_tokens: int,
                        eos_token_id: int | None, t: float) -> None:
         """Greedy rounds with static builder b from `start` committed tokens, extending `new`. Up to `lag` + 1 rounds
-        are in flight: a round is queued while the host reads the one before (lag 1; 0 with `profile`), when the
-        output may still need it and its tree fits the cache however long the paths in flight are."""
-        lag, hold = (0 if self.profile else 1), self._deferred(b)
+        are in flight: a round is queued while the host reads the one before (lag `rounds_ahead`; 0 with `profile`),
+        when the output may still need it and its tree fits the cache however long the paths in flight are."""
+        lag, hold = (0 if self.profile else self.rounds_ahead), self._deferred(b)
         pending: deque[tuple[torch.Tensor, object]] = deque()          # readouts of queued rounds, oldest first
         held = False                                                   # the last round read committed nothing
         while len(new) < max_new_tokens and new[-1] != eos_token_id:

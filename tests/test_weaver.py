@@ -107,6 +107,37 @@ def test_score_reads_candidate_rows_by_index(setup):
         w.score(hn.requires_grad_(), cand_ids[0], cand_logits[0], W, rows=rows)
 
 
+@pytest.mark.interpreter
+def test_score_takes_the_kernels_in_inference_with_a_parameter_lm_head(monkeypatch):
+    """The target's LM head is a parameter that requires a gradient (a Hugging Face model's). Under no_grad nothing
+    flows to it, so the scoring takes the candidate kernels (forced onto the CPU here: the Triton interpreter, fp32)
+    and gives the torch path's log q; with gradients on, the torch path runs."""
+    import tfm_kernels.candidate_logits as kernels
+    import tfm_runtime.models.weaver as weaver_mod
+    torch.manual_seed(0)
+    w = Weaver(WeaverConfig(d_model=D, d_embed=D, d_rank=32, num_layers=2, num_heads=4, mlp_dim=64, lookahead=L,
+                            candidate_pool=K)).eval()
+    W = torch.nn.Parameter(torch.randn(V, D))
+    hn, cl = torch.randn(2, L, 32), torch.randn(2, L, V)
+    cand_logits, cand_ids = cl.topk(K, dim=-1)
+    rows = torch.tensor([[0, 5, 5], [2, 0, 1]])
+    with torch.no_grad():
+        want = w.score(hn, cand_ids, cand_logits, W)
+        want_rows = w.score(hn[:, :3], cand_ids[0], cand_logits[0], W, rows=rows)
+    calls = []
+    for name in ("candidate_log_probs", "candidate_logits"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(weaver_mod, "kernel_device", lambda t: True)
+    with torch.no_grad():
+        got = w.score(hn, cand_ids, cand_logits, W)
+        got_rows = w.score(hn[:, :3], cand_ids[0], cand_logits[0], W, rows=rows)
+    assert len(calls) == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_rows, want_rows, rtol=1e-5, atol=1e-5)
+    assert w.score(hn, cand_ids, cand_logits, W).requires_grad and len(calls) == 2   # a gradient to W: torch
+
+
 def test_training_forward_equals_chain_of_node_steps(setup):
     w, E, W, h, u, cand_ids, cand_logits, _ = setup
     chain = [3] + cand_ids[0, :-1, 1].tolist()

@@ -376,8 +376,12 @@ class Weaver(nn.Module):
         cand_ids/cand_logits given as tables [R, K]; the kernels read those rows in place of a gather.
         """
         query = linear(h, self.lm_head_query_in, norm=self.out_norm)                     # [..., d_model]
-        kernels = (scoring.kernels and kernel_device(query) and query.dtype != torch.float64
-                   and not lm_head_weight.requires_grad)
+        # the kernels treat the LM head as frozen: so it is unless a gradient to it is wanted (inference under
+        # no_grad passes the target's, a parameter that requires one, as it is)
+        frozen = not (torch.is_grad_enabled() and lm_head_weight.requires_grad)
+        kernels = scoring.kernels and kernel_device(query) and query.dtype != torch.float64 and frozen
+        if kernels:
+            lm_head_weight = lm_head_weight.detach()
         K = cand_ids.shape[-1]
         if rows is not None:
             if h.requires_grad or tuple(rows.shape) != tuple(h.shape[:-1]) or cand_ids.dim() != 2:

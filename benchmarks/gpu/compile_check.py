@@ -11,7 +11,7 @@ checked against the card's 227 KiB per block. The runtime runs on CPU tensors at
   verify, commit, decode; a DFlash drafter in the committed SmolLM2 drafter's shape: context extend and draft; the
   static Weaver tree build (SmolLM2 and Qwen3.6-27B presets, budgets 32 / 64 / 128, widths 2-16) with its frontier
   kernels, Weaver steps and candidate scoring; ancestor masks and their packing; the decoder's greedy acceptance
-  at 17 / 65 / 129 nodes.
+  at 17 / 65 / 129 nodes; one whole FastDecoder round (Weaver(64), width 8) at SmolLM2's shapes.
 
 Kernel outputs are left unwritten (their buffers hold whatever they held): only compilation is checked, the results
 are the GPU tests' business.
@@ -19,7 +19,8 @@ are the GPU tests' business.
 It also counts the launches of each stage (Triton launches plus the torch ops that launch a kernel: every aten op but
 views and allocations), which set most of a small model's step time: a target's decode and tree verify (per layer
 and per call, and the total at the real depth: SmolLM2's 30 layers, Qwen3.6-27B's 16 groups of 3 GDN + 1 attention
-layers), a DFlash draft and the Weaver build's first phase per width. `--out` writes them as a results file.
+layers), a DFlash draft, the Weaver build's first phase per width and a FastDecoder round by stage. `--out`
+writes them as a results file.
 
 The runtime's device test (`tfm_runtime.models.common.kernel_device`, which every kernel path asks) and the
 device's SM count and capability are patched for the run. A few minutes on 2 cores cold, one or two with a warm
@@ -208,6 +209,46 @@ def _dflash(check, dtype) -> dict:
     return launches(check, lambda: d.draft(torch.tensor([3])))
 
 
+@torch.no_grad()
+def _round(check, dtype) -> dict:
+    """One FastDecoder round at T = 0 with a Weaver(64) of width 8 at SmolLM2's shapes (random weights, the committed
+    drafter's shape, a Hugging Face target whose LM head requires a gradient as a real one does), as with CUDA graphs:
+    trees padded, the frontier kernels and tree attention on -> launches per stage (the verify graph's input copies
+    not counted)."""
+    import json
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tfm_runtime.engine import DecodeStats
+    from tfm_runtime.fast.decoder import FastDecoder
+    from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
+    from tfm_runtime.models.target import TargetModel
+    from tfm_runtime.models.weaver import Weaver, WeaverConfig
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "benchmarks", "data", "smollm2_135m_config.json")) as f:
+        hf = LlamaForCausalLM(LlamaConfig.from_dict(json.load(f))).to(dtype).eval()
+    with open(os.path.join(root, "assets", "smollm2-135m-instruct", "dflash-b16", "config.json")) as f:
+        drafter = DFlashDrafter(DFlashConfig.from_hf_dict(json.load(f))).to(dtype).eval()
+    weaver = Weaver(WeaverConfig(d_model=576, d_embed=576, d_rank=256, num_layers=2, num_heads=4, mlp_dim=768,
+                                 lookahead=15, candidate_pool=512)).to(dtype).eval()
+    dec = FastDecoder(TargetModel(hf, drafter.cfg.target_layer_ids), drafter, weaver, tree_budget=64, width=8,
+                      max_seq_len=256)
+    dec.pad_trees, dec.weaver_builder.fused_frontier, dec.model.attention = True, True, "triton"   # as on CUDA
+    out = dec.model.prefill(torch.randint(0, 1000, (16,)))
+    dec.dflash.prefill(out.taps)
+    dec.start_dev.fill_(16)
+    b, stats = dec.weaver_builder, DecodeStats()
+    logits, hidden = dec.dflash.draft(None)
+    trees, nodes = dec._static_tree(b, dec.accept_dev[-1:], logits, hidden, dec.h_last)
+    out = dec.runner.verify_tree(*nodes, dec.start_dev)
+    dec.accept_dev.zero_()                            # compile-only kernels write nothing: keep the path in range
+    return {"draft": launches(check, lambda: dec.dflash.draft(None)),
+            "tree": launches(check, lambda: dec._static_tree(b, dec.accept_dev[-1:], logits, hidden, dec.h_last)),
+            "verify": launches(check, lambda: dec.runner.verify_tree(*nodes, dec.start_dev)),
+            "accept": launches(check, lambda: dec._accept(trees, out, True)),
+            "commit": launches(check, lambda: dec._commit_ops(out)),
+            "round": launches(check, lambda: dec._queue_round(b, True, stats, time.perf_counter()))}
+
+
 def _accept() -> None:
     """Compile the greedy acceptance (`tfm_kernels.greedy_accept`) at tree sizes 17 / 65 / 129, paths of 16 nodes,
     with and without `hold`."""
@@ -263,6 +304,7 @@ def main(argv=None) -> int:
                        _per_layer(check, lambda n: _hybrid(n, dt), 4, 8, 16)}
         _accept()
         draft = {"SmolLM2-135M DFlash (3 layers, block 16)": _dflash(check, dt)}
+        round_ = _round(check, dt)
         print(f"targets: {len(check.records)} launches compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
         builds = _weaver(check, dt)
         print(f"Weaver builds: {len(check.records)} launches compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -273,6 +315,8 @@ def main(argv=None) -> int:
             print(f"{name:50s} {stage:9s} {r['per_group']:15d} {r['fixed']:6d} {r['total']:6d} {r['host_reads']:10d}")
     for name, r in draft.items():
         print(f"{name:50s} {'draft':9s} {'':15s} {'':6s} {r['launches']:6d} {r['host_reads']:10d}")
+    print(f"\n{'FastDecoder round, Weaver(64) width 8, SmolLM2':50s} " + "  ".join(
+        f"{k} {r['launches']}" for k, r in round_.items()))
     print(f"\n{'Weaver build, first phase':36s} {'rounds':>6s} {'triton':>6s} {'torch':>6s} {'launches':>8s}")
     for name, r in builds.items():
         print(f"{name:36s} {r['rounds']:6d} {r['triton']:6d} {r['torch']:6d} {r['launches']:8d}")
@@ -287,6 +331,7 @@ def main(argv=None) -> int:
           f"{'over the shared-memory limit: ' + ', '.join(over) if over else 'all within the shared-memory limit'}")
     if args.out:
         write_results(args.out, {"env": run_env, "arch": f"sm_{args.arch}", "targets": targets, "dflash_draft": draft,
+                                 "fastdecoder_round_weaver64_w8": round_,
                                  "weaver_build_first_phase": builds,
                                  "max_shared_bytes": {k: sh for k, (sh, _) in sorted(worst.items())}})
     return 1 if over else 0

@@ -203,6 +203,7 @@ def run_engine(name: str, call, prompts, n: int, dev, warm_all: bool = False, **
             row["verify_steps"] = steps
             row["acceptance_length"] = round(sum(sum(s.accept_lengths) for s in stats) / steps, 4)
             row["mean_tree_size"] = round(sum(sum(s.tree_sizes) for s in stats) / steps, 2)
+            row["discarded_rounds"] = sum(s.discarded_rounds for s in stats)   # run ahead, not used: in step_ms
             loop = sum(v for k, v in seconds.items() if k != "prefill")
             row["step_ms"] = round(1e3 * loop / steps, 4)
             row["stage_ms"] = {k: round(1e3 * v / steps, 4) for k, v in seconds.items() if k != "prefill"}

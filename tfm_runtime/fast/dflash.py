@@ -16,8 +16,8 @@ queries can see before reading them, so the outputs equal the reference drafter'
 
 Each layer's q, k, v projections run as one GEMM, and its MLP's gate and up as one: the drafter's modules are first
 given one tensor per group (`fast.dense.rehome_model`; they keep working on views of it). In CUDA inference, for
-drafters whose weights `tfm_kernels.small_linear` is for (launch-bound ones), the draft's output projection, MLP
-norm and gate / up with the swiglu, and down projection are one launch each (the residual adds fused in).
+drafters whose weights `tfm_kernels.small_linear` is for (launch-bound ones), each of the draft's projections is one
+launch with the norm before it (input, MLP) or the swiglu and residual add after it fused in.
 With `cuda_graphs` on CUDA, `extend` and `draft` replay graphs captured at construction; their outputs are static
 tensors, valid until the next call.
 """
@@ -113,13 +113,18 @@ class StaticDFlash:
             _, k, v = self._qkv(i, ctx, query=False)                                       # [n, Hkv, D]
             rope_into_cache(None, k, v, self.cos, self.sin, slots, slots, self.k[i, 0], self.v[i, 0])
 
-    def _qkv(self, i: int, h: torch.Tensor, query: bool = True):
+    def _qkv(self, i: int, h: torch.Tensor, query: bool = True, norm=None):
         """Layer i: h [T, H] -> q [T, nh, D] (normed; None without `query`), k [T, Hkv, D] (normed), v [T, Hkv, D]:
-        not yet rotated."""
+        not yet rotated. norm: an RMSNorm applied to h first, in the projection's launch (`small_linear`)."""
         cfg, att = self.cfg, self.drafter.layers[i].self_attn
         T, hd, nh, nkv = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         w, b = self.fused[i][:2]
-        q, k, v = F.linear(h, w, b).split([nh * hd, nkv * hd, nkv * hd], dim=-1)             # [T, .] views
+        if norm is not None:
+            from tfm_kernels.small_linear import small_linear
+            qkv = small_linear(h, w, b, norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps)
+        else:
+            qkv = F.linear(h, w, b)
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)                          # [T, .] views
         q = att.q_norm(q.view(T, nh, hd)) if query else None
         return q, att.k_norm(k.view(T, nkv, hd)), v.view(T, nkv, hd)
 
@@ -141,10 +146,16 @@ class StaticDFlash:
         seen = self.ar_slots[None, :] < (self.length + S)                                  # [1, slots]
         layers = self.drafter.layers
         x = F.embedding(self.block, self.embed_weight)[None]                               # [1, S, H]
-        h = layers[0].input_layernorm(x)                                                   # [1, S, H]
+        # small: each projection one `small_linear` launch with the norm before it or the swiglu and residual add
+        # after it (the layers share their shapes: the first one decides)
+        l0, (wqkv, bqkv, wgu, bgu) = layers[0], self.fused[0]
+        small = small_linear_ok(x, S, (wqkv, l0.self_attn.o_proj.weight, wgu, l0.mlp.down_proj.weight), bqkv,
+                                l0.self_attn.o_proj.bias, bgu, l0.mlp.down_proj.bias, l0.input_layernorm.weight,
+                                l0.post_attention_layernorm.weight)
+        h = None if small else layers[0].input_layernorm(x)                                # [1, S, H]
         for i, layer in enumerate(layers):
             att = layer.self_attn
-            q, k, v = self._qkv(i, h[0])                                                   # [S, heads, D]
+            q, k, v = self._qkv(i, x[0], norm=layer.input_layernorm) if small else self._qkv(i, h[0])
             q, _ = rope_into_cache(q, k, v, self.cos, self.sin, pos, pos, self.k[i, 0], self.v[i, 0])
             q = q.transpose(0, 1)[None]                                                    # [1, nh, S, D]
             mask = seen
@@ -153,21 +164,19 @@ class StaticDFlash:
             o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, scale=hd ** -0.5,
                                                enable_gqa=True)                            # [1, nh, S, D]
             o = o.transpose(1, 2).reshape(1, S, nh * hd)                                   # [1, S, nh D]
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.drafter.norm
-            pn, down, (w, b) = layer.post_attention_layernorm, layer.mlp.down_proj, self.fused[i][2:]
-            if small_linear_ok(x, S, (att.o_proj.weight, w, down.weight), att.o_proj.bias, b, down.bias, pn.weight):
-                # one launch each: o_proj + residual, norm + gate/up + swiglu, down_proj + residual
+            if small:
                 from tfm_kernels.small_linear import small_linear
+                pn, down, (w, b) = layer.post_attention_layernorm, layer.mlp.down_proj, self.fused[i][2:]
                 x = small_linear(o, att.o_proj.weight, att.o_proj.bias, residual=x)          # [1, S, H]
                 g = small_linear(x, w, b, norm_weight=pn.weight, norm_bias=pn.bias, eps=pn.eps, swiglu=True,
                                  silu_rounded=True)                                        # [1, S, I]
                 x = small_linear(g, down.weight, down.bias, residual=x)
-                h = nxt(x)
                 continue
             # each residual add with the norm after it (in CUDA inference one launch each, the same roundings)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.drafter.norm
             x, h = layer.post_attention_layernorm.add(x, att.o_proj(o))
             x, h = nxt.add(x, self._mlp(i, h))
-        hidden = h[0, 1:]                                                                  # [L, H] final norm
+        hidden = (self.drafter.norm(x) if small else h)[0, 1:]                             # [L, H] final norm
         return hidden @ self.lm_head_weight.T, hidden
 
     def _capture(self) -> None:

@@ -205,8 +205,10 @@ def test_rope_qk_by_position_into_a_cache(B, T, nh, hd):
 def test_rope_cache_matches_float64_and_the_target_ops(T, nq, nk, D, R):
     """A target's attention layer: q, k (views of one projection, GQA head counts, D not a power of 2, partial rotary
     R < D) rotated by position, k and v written to cache slots in any order: the same tensors and caches as
-    `tfm_runtime.fast.dense.rotate` and two `index_copy_`, bit for bit, and within rounding of float64."""
-    from tfm_runtime.fast.dense import rotate
+    `tfm_runtime.fast.dense.rotate` and two `index_copy_`, bit for bit, and within rounding of float64; with the
+    q / k norms in the launch (both forms), the runtime's norms then rotation to the norms' summation order."""
+    from tfm_runtime.fast.dense import rms_norm as norm_plain
+    from tfm_runtime.fast.dense import rms_norm_1p, rotate
     g = torch.Generator().manual_seed(T * 100 + D)
     for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
         proj = torch.randn(T, (nq + 2 * nk) * D, generator=g).to(dtype)                    # one projection's rows
@@ -234,8 +236,23 @@ def test_rope_cache_matches_float64_and_the_target_ops(T, nq, nk, D, R):
         written[slots] = True
         for got, want in zip(kv_only, caches):
             assert torch.equal(got[:, written], want[:, written]) and not got[:, ~written].any()
+        for one_plus in (False, True):                  # q / k norms in the launch (Qwen3 / Qwen3.5 attention)
+            qw, kw = (0.5 + torch.rand(D, generator=g)).to(dtype), (0.5 + torch.rand(D, generator=g)).to(dtype)
+            norm = rms_norm_1p if one_plus else norm_plain
+            want_q, want_k = torch_rope(norm(q, qw, 1e-6)), torch_rope(norm(k, kw, 1e-6))
+            normed = [c.clone() for c in caches]
+            got_q, got_k = rope_cache(q, k, v, cos, sin, pos, slots, *normed, q_norm=qw, k_norm=kw, eps=1e-6,
+                                      one_plus=one_plus)
+            for got, want in ((got_q, want_q), (got_k, want_k)):     # the norms' sums in another order
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            assert torch.equal(normed[0][:, slots], got_k.transpose(0, 1))
+            q64, k64 = rope_cache_ref(q, k, cos, sin, pos, qw, kw, 1e-6, one_plus)
+            assert _rel(got_q, q64) < tol and _rel(got_k, k64) < tol
+            k_only = rope_cache(None, k, v, cos, sin, pos, slots, *normed, k_norm=kw, one_plus=one_plus)[1]
+            assert torch.equal(k_only, got_k)
     bad = [dict(pos=pos.int()), dict(slots=slots.repeat(2)), dict(k_cache=caches[0][:, :, :-1]),
-           dict(cos=cos[:, :R - 1], sin=sin[:, :R - 1]), dict(v=v.double()), dict(q=q.double())]
+           dict(cos=cos[:, :R - 1], sin=sin[:, :R - 1]), dict(v=v.double()), dict(q=q.double()),
+           dict(q_norm=qw), dict(k_norm=kw), dict(q_norm=qw[:-1], k_norm=kw), dict(q_norm=qw, k_norm=kw.double())]
     for change in bad:
         args = dict(q=q, k=k, v=v, cos=cos, sin=sin, pos=pos, slots=slots, k_cache=caches[0], v_cache=caches[1])
         with pytest.raises(ValueError, match="rope_cache expects"):

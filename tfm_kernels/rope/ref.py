@@ -18,11 +18,20 @@ def rope_qk_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tupl
 
 
 def rope_cache_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   pos: torch.Tensor, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                   eps: float = 1e-6, one_plus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, nq, D], k [T, nk, D]; cos, sin tables [P, R] (R <= D even: partial rotary) read at pos [T] ->
-    q, k float64 with their first R dims rotated (half-split convention over those R) and the rest as they were."""
+    q, k float64 with their first R dims rotated (half-split convention over those R) and the rest as they were;
+    with q_norm / k_norm [D], each head first RMS-normalised over D and scaled by the weight (one_plus: 1 + it)."""
     R = cos.shape[-1]
     c, s = cos.double()[pos][:, None], sin.double()[pos][:, None]           # [T, 1, R]
+
+    def norm(x, w):
+        if w is None:
+            return x.double()
+        x, w = x.double(), w.double()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w if one_plus else w)
+    q, k = norm(q, q_norm), norm(k, k_norm)
 
     def rot(x):
         x = x.double()

@@ -103,10 +103,12 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: 
 
 
 @triton.jit
-def _rotate_heads(x, s_t, s_h, t, nh, D, HALF, c1, c2, s1, s2, BH: tl.constexpr, BR: tl.constexpr,
-                  BP: tl.constexpr):
+def _rotate_heads(x, s_t, s_h, t, nh, D, HALF, c1, c2, s1, s2, w, eps, NORM: tl.constexpr, BH: tl.constexpr,
+                  BR: tl.constexpr, BP: tl.constexpr):
     """Token t's nh heads of x (strides s_t, s_h, 1): the first 2 * HALF dims rotated (y1, y2 [BH, BR] in x's
-    dtype), the rest as they are (xp [BH, BP]); with their masks."""
+    dtype), the rest as they are (xp [BH, BP]); with their masks. NORM 1: each head RMS-normalised over its D values
+    first (fp32 statistics; normalised and rounded, times the weight w [D] and rounded, as RMSNorm); NORM 2: times
+    (1 + w) in fp32 and rounded once (the Qwen3.5 form)."""
     o_h, o_r, o_p = tl.arange(0, BH), tl.arange(0, BR), tl.arange(0, BP)
     m = (o_h < nh)[:, None] & (o_r < HALF)[None, :]
     m_p = (o_h < nh)[:, None] & (o_p < D - 2 * HALF)[None, :]
@@ -115,6 +117,21 @@ def _rotate_heads(x, s_t, s_h, t, nh, D, HALF, c1, c2, s1, s2, BH: tl.constexpr,
     x2 = tl.load(row + HALF + o_r[None, :], mask=m, other=0.).to(tl.float32)
     xp = tl.load(row + 2 * HALF + o_p[None, :], mask=m_p, other=0.)
     dt = x.dtype.element_ty
+    if NORM > 0:
+        xpf = xp.to(tl.float32)
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xpf * xpf, axis=1)           # [BH]
+        r = tl.rsqrt(ss / D + eps)[:, None]
+        w1 = tl.load(w + o_r, mask=o_r < HALF, other=0.).to(tl.float32)[None, :]
+        w2 = tl.load(w + HALF + o_r, mask=o_r < HALF, other=0.).to(tl.float32)[None, :]
+        wp = tl.load(w + 2 * HALF + o_p, mask=o_p < D - 2 * HALF, other=0.).to(tl.float32)[None, :]
+        if NORM == 1:
+            x1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xp = (wp * (xpf * r).to(dt).to(tl.float32)).to(dt)
+        else:
+            x1 = (x1 * r * (1.0 + w1)).to(dt).to(tl.float32)
+            x2 = (x2 * r * (1.0 + w2)).to(dt).to(tl.float32)
+            xp = (xpf * r * (1.0 + wp)).to(dt)
     y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
     y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
     return y1, y2, xp, m, m_p
@@ -131,11 +148,13 @@ def _store_heads(dst, s_h, y1, y2, xp, m, m_p, HALF, BH: tl.constexpr, BR: tl.co
 
 
 @triton.jit
-def rope_cache_kernel(q, k, v, cos, sin, pos, slots, q_out, k_out, k_cache, v_cache,
+def rope_cache_kernel(q, k, v, cos, sin, pos, slots, q_out, k_out, k_cache, v_cache, q_w, k_w, eps,
                       q_st, q_sh, k_st, k_sh, v_st, v_sh, kc_sh, kc_ss, vc_sh, vc_ss, NQ, NK, D, HALF,
-                      BQ: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr):
-    """Program t: q_out[t], k_out[t] rotated (first 2 * HALF dims; the rest copied) at table row pos[t]; k_out[t]
-    and v[t] also into cache slot slots[t] ([heads, slots, D] caches, strides *_sh, *_ss, 1)."""
+                      NORM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
+                      BD: tl.constexpr):
+    """Program t: q_out[t], k_out[t] rotated (first 2 * HALF dims; the rest copied) at table row pos[t], each head
+    first normalised with weight q_w / k_w where NORM > 0; k_out[t] and v[t] also into cache slot slots[t]
+    ([heads, slots, D] caches, strides *_sh, *_ss, 1)."""
     t = tl.program_id(0).to(tl.int64)
     p_c = tl.load(pos + t) * (2 * HALF)
     slot = tl.load(slots + t)
@@ -144,9 +163,9 @@ def rope_cache_kernel(q, k, v, cos, sin, pos, slots, q_out, k_out, k_cache, v_ca
     c2 = tl.load(cos + p_c + HALF + o_r, mask=o_r < HALF, other=0.).to(tl.float32)[None, :]
     s1 = tl.load(sin + p_c + o_r, mask=o_r < HALF, other=0.).to(tl.float32)[None, :]
     s2 = tl.load(sin + p_c + HALF + o_r, mask=o_r < HALF, other=0.).to(tl.float32)[None, :]
-    y1, y2, xp, m, m_p = _rotate_heads(q, q_st, q_sh, t, NQ, D, HALF, c1, c2, s1, s2, BQ, BR, BP)
+    y1, y2, xp, m, m_p = _rotate_heads(q, q_st, q_sh, t, NQ, D, HALF, c1, c2, s1, s2, q_w, eps, NORM, BQ, BR, BP)
     _store_heads(q_out + t * NQ * D, D, y1, y2, xp, m, m_p, HALF, BQ, BR, BP)
-    y1, y2, xp, m, m_p = _rotate_heads(k, k_st, k_sh, t, NK, D, HALF, c1, c2, s1, s2, BK, BR, BP)
+    y1, y2, xp, m, m_p = _rotate_heads(k, k_st, k_sh, t, NK, D, HALF, c1, c2, s1, s2, k_w, eps, NORM, BK, BR, BP)
     _store_heads(k_out + t * NK * D, D, y1, y2, xp, m, m_p, HALF, BK, BR, BP)
     _store_heads(k_cache + slot * kc_ss, kc_sh, y1, y2, xp, m, m_p, HALF, BK, BR, BP)
     o_h, o_d = tl.arange(0, BK), tl.arange(0, BD)
@@ -156,11 +175,15 @@ def rope_cache_kernel(q, k, v, cos, sin, pos, slots, q_out, k_out, k_cache, v_ca
 
 
 def rope_cache(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+               pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+               one_plus: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Rotate q and k of T tokens by position and write k and v into their K/V cache slots, in one launch (forward
     only). The roundings are those of `tfm_runtime.fast.dense.rotate` (x * cos and rotate_half(x) * sin each rounded
-    to x's dtype, then their sum), which with the two `index_copy_` writes takes about twelve launches.
+    to x's dtype, then their sum), which with the two `index_copy_` writes takes about twelve launches. With q_norm
+    and k_norm ([D] weights of q's dtype: Qwen3-family attention; q_norm not needed without q), each head of q and k
+    is first RMS-normalised over its D values (eps) as `tfm_runtime.fast.dense.rms_norm` (one_plus: `rms_norm_1p`)
+    does: two launches fewer.
 
     Args:
         q: [T, nq, D] or None (keys and values only); k, v: [T, nk, D]; fp16 / bf16 / fp32 on a Triton device,
@@ -168,8 +191,10 @@ def rope_cache(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: to
         cos, sin: tables [P, R] of q's dtype, R <= D even (R < D: partial rotary, the last D - R dims unrotated).
         pos: [T] long, the table row of each token; slots: [T] long, its cache slot.
         k_cache, v_cache: [nk, S, D] of q's dtype, last dim contiguous (one layer of the target's cache).
+        q_norm, k_norm: [D] of q's dtype, or None; eps, one_plus: the norm's.
     Returns:
-        q, k: [T, nq, D] (None without q), [T, nk, D] rotated, contiguous (k as written to the cache).
+        q, k: [T, nq, D] (None without q), [T, nk, D] (normalised and) rotated, contiguous (k as written to the
+            cache).
     """
     no_q = q is None
     q = k[:, :0] if no_q else q                                    # no query heads: nothing rotated or written
@@ -196,13 +221,22 @@ def rope_cache(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: to
                          "dtype")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("rope_cache expects q, k, v with a contiguous last dim")
+    if (q_norm is not None and k_norm is None) or (k_norm is not None and not no_q and q_norm is None) or any(
+            w is not None and (tuple(w.shape) != (D,) or w.dtype != q.dtype or w.device != q.device)
+            for w in (q_norm, k_norm)):
+        raise ValueError(f"rope_cache expects q_norm (unless q is None) and k_norm [{D}] of q's dtype and device, "
+                         f"or neither")
     cos, sin = cos.contiguous(), sin.contiguous()
     q_out = torch.empty(T, NQ, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(T, NK, D, dtype=q.dtype, device=q.device)
-    rope_cache_kernel[(T,)](q, k, v, cos, sin, pos, slots, q_out, k_out, k_cache, v_cache,
+    norm = 0 if k_norm is None else 2 if one_plus else 1
+    q_w = (q_norm if q_norm is not None else cos).contiguous()       # cos: any pointer where no norm is read
+    k_w = (k_norm if k_norm is not None else cos).contiguous()
+    rope_cache_kernel[(T,)](q, k, v, cos, sin, pos, slots, q_out, k_out, k_cache, v_cache, q_w, k_w, eps,
                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-                            NQ, NK, D, R // 2, BQ=triton.next_power_of_2(max(NQ, 1)), BK=triton.next_power_of_2(NK),
+                            NQ, NK, D, R // 2, NORM=norm, BQ=triton.next_power_of_2(max(NQ, 1)),
+                            BK=triton.next_power_of_2(NK),
                             BR=triton.next_power_of_2(R // 2), BP=triton.next_power_of_2(max(D - R, 1)),
                             BD=triton.next_power_of_2(D), num_warps=4)
     return None if no_q else q_out, k_out

@@ -183,14 +183,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rope_into_cache(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+                    pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                    one_plus: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
     """q [T, Hq, D] (or None: keys and values only), k, v [T, Hkv, D]; cos, sin tables [S, R] (R <= D: the first R
     dims rotate) read at pos [T] -> q, k rotated; k and v written to cache slots `slots` [T] of k_cache, v_cache
-    [Hkv, S, D]. On CUDA one launch of `tfm_kernels.rope.rope_cache` with the same roundings (about twelve torch
-    launches)."""
-    if inference_kernel_ok(k, v, cos, sin, k_cache, v_cache, q):
-        return fused_rope_cache(q, k, v, cos, sin, pos, slots, k_cache, v_cache)
+    [Hkv, S, D]. q_norm, k_norm [D] (or None): each head of q and k first goes through `rms_norm` (one_plus:
+    `rms_norm_1p`). On CUDA one launch of `tfm_kernels.rope.rope_cache` with the same roundings (about twelve torch
+    launches, and two norms)."""
+    if inference_kernel_ok(k, v, cos, sin, k_cache, v_cache, q, q_norm, k_norm):
+        return fused_rope_cache(q, k, v, cos, sin, pos, slots, k_cache, v_cache, q_norm=q_norm, k_norm=k_norm,
+                                eps=eps, one_plus=one_plus)
+    norm = rms_norm_1p if one_plus else rms_norm
+    q = norm(q, q_norm, eps) if q is not None and q_norm is not None else q
+    k = norm(k, k_norm, eps) if k_norm is not None else k
     c, s = cos[pos], sin[pos]                                                               # [T, R]
     R = c.shape[-1]
 
@@ -420,9 +426,8 @@ class DenseModel:
         for i, w in enumerate(self.layers):
             q, k, v = F.linear(h, w.wqkv, w.bqkv).split([nh * D, nkv * D, nkv * D], dim=-1)   # [T, .] views
             q, k, v = q.view(T, nh, D), k.view(T, nkv, D), v.view(T, nkv, D)
-            if c.qk_norm:
-                q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-            q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[i], self.v_cache[i])
+            q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[i], self.v_cache[i],
+                                   w.q_norm, w.k_norm, eps)                                 # Qwen3: q / k norms
             o = attend(i, q, k, v)                                                          # [T, Hq, D]
             x, h = add_rms_norm(x, F.linear(o.reshape(T, nh * D), w.wo, w.bo), w.mlp_norm, eps)
             gate, up = F.linear(h, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)                # [T, I] views
@@ -446,9 +451,8 @@ class DenseModel:
             qkv = small_linear(x, w.wqkv, w.bqkv, norm_weight=w.attn_norm, eps=eps)           # [T, (Hq + 2 Hkv) D]
             q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
             q, k, v = q.view(T, nh, D), k.view(T, nkv, D), v.view(T, nkv, D)
-            if c.qk_norm:
-                q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-            q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[i], self.v_cache[i])
+            q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[i], self.v_cache[i],
+                                   w.q_norm, w.k_norm, eps)                                 # Qwen3: q / k norms
             o = attend(i, q, k, v)                                                          # [T, Hq, D]
             x = small_linear(o.reshape(T, nh * D), w.wo, w.bo, residual=x)                  # [T, H]
             g = small_linear(x, w.w_gate_up, w.b_gate_up, norm_weight=w.mlp_norm, eps=eps, swiglu=True,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tfm_runtime.fast import dense
 from tfm_runtime.fast.dense import fused_rows, rehome_model, rope_into_cache
 from tfm_runtime.models.common import rope_cos_sin, silu_mul, small_linear_ok
 from tfm_runtime.models.dflash import DFlashDrafter
@@ -110,12 +111,14 @@ class StaticDFlash:
         """Context K/V of taps [n, F] at positions = slots [n], into those slots of every layer."""
         ctx = self.drafter.hidden_norm(self.drafter.fc(taps))                              # [n, H]
         for i, layer in enumerate(self.drafter.layers):
-            _, k, v = self._qkv(i, ctx, query=False)                                       # [n, Hkv, D]
-            rope_into_cache(None, k, v, self.cos, self.sin, slots, slots, self.k[i, 0], self.v[i, 0])
+            _, k, v, norms = self._qkv(i, ctx, query=False)                                # [n, Hkv, D]
+            rope_into_cache(None, k, v, self.cos, self.sin, slots, slots, self.k[i, 0], self.v[i, 0], *norms)
 
     def _qkv(self, i: int, h: torch.Tensor, query: bool = True, norm=None):
-        """Layer i: h [T, H] -> q [T, nh, D] (normed; None without `query`), k [T, Hkv, D] (normed), v [T, Hkv, D]:
-        not yet rotated. norm: an RMSNorm applied to h first, in the projection's launch (`small_linear`)."""
+        """Layer i: h [T, H] -> q [T, nh, D] (None without `query`), k [T, Hkv, D], v [T, Hkv, D], not yet rotated,
+        and the q / k norms still to apply ((q weight, k weight, eps) where `rope_into_cache` takes its kernel, which
+        applies them in its launch; else () and the norm modules applied here). norm: an RMSNorm applied to h first,
+        in the projection's launch (`small_linear`)."""
         cfg, att = self.cfg, self.drafter.layers[i].self_attn
         T, hd, nh, nkv = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         w, b = self.fused[i][:2]
@@ -125,8 +128,12 @@ class StaticDFlash:
         else:
             qkv = F.linear(h, w, b)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)                          # [T, .] views
-        q = att.q_norm(q.view(T, nh, hd)) if query else None
-        return q, att.k_norm(k.view(T, nkv, hd)), v.view(T, nkv, hd)
+        q, k, v = (q.view(T, nh, hd) if query else None), k.view(T, nkv, hd), v.view(T, nkv, hd)
+        qn, kn = att.q_norm, att.k_norm
+        if qn.bias is None and kn.bias is None and qn.eps == kn.eps and dense.inference_kernel_ok(k, qn.weight,
+                                                                                                  kn.weight):
+            return q, k, v, (qn.weight, kn.weight, kn.eps)                 # rope_into_cache's kernel applies them
+        return (qn(q) if query else None), kn(k), v, ()
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """Layer i's SwiGLU MLP, gate and up from one GEMM: h [..., H] -> [..., H]."""
@@ -155,8 +162,8 @@ class StaticDFlash:
         h = None if small else layers[0].input_layernorm(x)                                # [1, S, H]
         for i, layer in enumerate(layers):
             att = layer.self_attn
-            q, k, v = self._qkv(i, x[0], norm=layer.input_layernorm) if small else self._qkv(i, h[0])
-            q, _ = rope_into_cache(q, k, v, self.cos, self.sin, pos, pos, self.k[i, 0], self.v[i, 0])
+            q, k, v, norms = self._qkv(i, x[0], norm=layer.input_layernorm) if small else self._qkv(i, h[0])
+            q, _ = rope_into_cache(q, k, v, self.cos, self.sin, pos, pos, self.k[i, 0], self.v[i, 0], *norms)
             q = q.transpose(0, 1)[None]                                                    # [1, nh, S, D]
             mask = seen
             if att.sliding and cfg.sliding_window:

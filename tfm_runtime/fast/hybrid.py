@@ -343,10 +343,9 @@ class HybridModel(DenseModel):
         T, nh, nkv, D, eps = h.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         qg, k, v = F.linear(h, w.wqkv).split([nh * 2 * D, nkv * D, nkv * D], dim=-1)       # [T, .] views
         q, gate = qg.view(T, nh, 2 * D).chunk(2, dim=-1)                                    # [T, Hq, D] each
-        q = rms_norm_1p(q, w.q_norm, eps)
-        k = rms_norm_1p(k.view(T, nkv, D), w.k_norm, eps)
-        v = v.view(T, nkv, D)
-        q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[slot], self.v_cache[slot])
+        k, v = k.view(T, nkv, D), v.view(T, nkv, D)
+        q, k = rope_into_cache(q, k, v, self.cos, self.sin, pos, slots, self.k_cache[slot], self.v_cache[slot],
+                               w.q_norm, w.k_norm, eps, one_plus=True)                      # the q / k norms too
         o = attend(slot, q, k, v).reshape(T, nh * D)                                         # [T, Hq D]
         return F.linear(o * torch.sigmoid(gate.reshape(T, nh * D)), w.wo)
 

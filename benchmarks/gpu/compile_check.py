@@ -8,10 +8,10 @@ checked against the card's 227 KiB per block. The runtime runs on CPU tensors at
 
   hybrid target at the Qwen3.6-27B GDN / attention head shapes (small hidden size): prefill, tree verify at 17 / 33
   / 65 / 129 nodes, commit, decode (gdn="triton", tree attention); a dense target at SmolLM2-135M's shapes: tree
-  verify, commit, decode; a DFlash drafter in the committed SmolLM2 drafter's shape: context extend and draft; the
-  static Weaver tree build (SmolLM2 and Qwen3.6-27B presets, budgets 32 / 64 / 128, widths 2-16) with its frontier
-  kernels, Weaver steps and candidate scoring; ancestor masks and their packing; the decoder's greedy acceptance
-  at 17 / 65 / 129 nodes; one whole FastDecoder round (Weaver(64), width 8) at SmolLM2's shapes.
+  verify, commit, decode; the static Weaver tree build (SmolLM2 and Qwen3.6-27B presets, budgets 32 / 64 / 128,
+  widths 2-16) with its frontier kernels, Weaver steps and candidate scoring; ancestor masks and their packing;
+  the decoder's greedy acceptance at 17 / 65 / 129 nodes; one whole FastDecoder round (Weaver(64), width 8) at
+  SmolLM2's shapes.
 
 Kernel outputs are left unwritten (their buffers hold whatever they held): only compilation is checked, the results
 are the GPU tests' business.
@@ -19,8 +19,8 @@ are the GPU tests' business.
 It also counts the launches of each stage (Triton launches plus the torch ops that launch a kernel: every aten op but
 views and allocations), which set most of a small model's step time: a target's decode and tree verify (per layer
 and per call, and the total at the real depth: SmolLM2's 30 layers, Qwen3.6-27B's 16 groups of 3 GDN + 1 attention
-layers), a DFlash draft, the Weaver build's first phase per width and a FastDecoder round by stage. `--out`
-writes them as a results file.
+layers), the Weaver build's first phase per width and a FastDecoder round by stage (its draft, build, verify,
+acceptance and commit). `--out` writes them as a results file.
 
 The runtime's device test (`tfm_runtime.models.common.kernel_device`, which every kernel path asks) and the
 device's SM count and capability are patched for the run. A few minutes on 2 cores cold, one or two with a warm
@@ -193,45 +193,17 @@ def _per_layer(check, build, small: int, big: int, groups: int) -> dict:
 
 
 @torch.no_grad()
-def _dflash(check, dtype) -> dict:
-    """Compile StaticDFlash's context extend and draft at the committed SmolLM2 drafter's shape (random weights, a
-    49,152-token table) -> the launches of one draft."""
-    import json
-    from tfm_runtime.fast.dflash import StaticDFlash
-    from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "assets", "smollm2-135m-instruct", "dflash-b16", "config.json")) as f:
-        cfg = DFlashConfig.from_hf_dict(json.load(f))
-    drafter = DFlashDrafter(cfg).to(dtype).eval()
-    table = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-    d = StaticDFlash(drafter, table, table, max_len=256)
-    d.prefill(torch.randn(8, len(cfg.target_layer_ids) * cfg.hidden_size, dtype=dtype))
-    return launches(check, lambda: d.draft(torch.tensor([3])))
-
-
-@torch.no_grad()
 def _round(check, dtype) -> dict:
-    """One FastDecoder round at T = 0 with a Weaver(64) of width 8 at SmolLM2's shapes (random weights, the committed
-    drafter's shape, a Hugging Face target whose LM head requires a gradient as a real one does), as with CUDA graphs:
-    trees padded, the frontier kernels and tree attention on -> launches per stage (the verify graph's input copies
-    not counted)."""
-    import json
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """One FastDecoder round at T = 0 with a Weaver(64) of width 8 in `runtime_bench`'s SmolLM2 world without
+    arguments (a random target in SmolLM2's shape, whose LM head requires a gradient as a real one's does; the
+    committed drafter; a random Weaver in the recipe's shape), as with CUDA graphs: trees padded, the frontier
+    kernels and tree attention on -> launches per stage (the verify graph's input copies not counted)."""
+    from benchmarks.runtime.runtime_bench import load_world
     from tfm_runtime.engine import DecodeStats
     from tfm_runtime.fast.decoder import FastDecoder
-    from tfm_runtime.models.dflash import DFlashConfig, DFlashDrafter
-    from tfm_runtime.models.target import TargetModel
-    from tfm_runtime.models.weaver import Weaver, WeaverConfig
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "benchmarks", "data", "smollm2_135m_config.json")) as f:
-        hf = LlamaForCausalLM(LlamaConfig.from_dict(json.load(f))).to(dtype).eval()
-    with open(os.path.join(root, "assets", "smollm2-135m-instruct", "dflash-b16", "config.json")) as f:
-        drafter = DFlashDrafter(DFlashConfig.from_hf_dict(json.load(f))).to(dtype).eval()
-    weaver = Weaver(WeaverConfig(d_model=576, d_embed=576, d_rank=256, num_layers=2, num_heads=4, mlp_dim=768,
-                                 lookahead=15, candidate_pool=512)).to(dtype).eval()
-    dec = FastDecoder(TargetModel(hf, drafter.cfg.target_layer_ids), drafter, weaver, tree_budget=64, width=8,
-                      max_seq_len=256)
+    world = argparse.Namespace(smoke=False, target=None, drafter=None, adapter=None)
+    target, drafter, weaver, _ = load_world(world, torch.device("cpu"), dtype)
+    dec = FastDecoder(target, drafter, weaver, tree_budget=64, width=8, max_seq_len=256)
     dec.pad_trees, dec.weaver_builder.fused_frontier, dec.model.attention = True, True, "triton"   # as on CUDA
     out = dec.model.prefill(torch.randint(0, 1000, (16,)))
     dec.dflash.prefill(out.taps)
@@ -303,7 +275,6 @@ def main(argv=None) -> int:
                    "Qwen3.6-27B (hybrid, 16 x (3 GDN + 1 attention))":
                        _per_layer(check, lambda n: _hybrid(n, dt), 4, 8, 16)}
         _accept()
-        draft = {"SmolLM2-135M DFlash (3 layers, block 16)": _dflash(check, dt)}
         round_ = _round(check, dt)
         print(f"targets: {len(check.records)} launches compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
         builds = _weaver(check, dt)
@@ -313,8 +284,6 @@ def main(argv=None) -> int:
     for name, stages in targets.items():
         for stage, r in stages.items():
             print(f"{name:50s} {stage:9s} {r['per_group']:15d} {r['fixed']:6d} {r['total']:6d} {r['host_reads']:10d}")
-    for name, r in draft.items():
-        print(f"{name:50s} {'draft':9s} {'':15s} {'':6s} {r['launches']:6d} {r['host_reads']:10d}")
     print(f"\n{'FastDecoder round, Weaver(64) width 8, SmolLM2':50s} " + "  ".join(
         f"{k} {r['launches']}" for k, r in round_.items()))
     print(f"\n{'Weaver build, first phase':36s} {'rounds':>6s} {'triton':>6s} {'torch':>6s} {'launches':>8s}")
@@ -330,7 +299,7 @@ def main(argv=None) -> int:
     print(f"{len(worst)} kernels, {len(check.records)} launches compiled for sm_{args.arch}; "
           f"{'over the shared-memory limit: ' + ', '.join(over) if over else 'all within the shared-memory limit'}")
     if args.out:
-        write_results(args.out, {"env": run_env, "arch": f"sm_{args.arch}", "targets": targets, "dflash_draft": draft,
+        write_results(args.out, {"env": run_env, "arch": f"sm_{args.arch}", "targets": targets,
                                  "fastdecoder_round_weaver64_w8": round_,
                                  "weaver_build_first_phase": builds,
                                  "max_shared_bytes": {k: sh for k, (sh, _) in sorted(worst.items())}})

@@ -237,25 +237,23 @@ class FastDecoder:
             self._tick(stats, "commit", t)
 
     def _queue_round(self, b, hold: bool, stats: DecodeStats, t: float):
-        """Queue one greedy round (nothing read on the host): draft, build, verify, accept, commit. hold: an
-        unfinished tree commits nothing. -> (its readout, the tick's time)."""
+        """Queue one greedy round (nothing read on the host): draft, build, then `_verified`. hold: an unfinished
+        tree commits nothing. -> (its readout, the tick's time)."""
         self._stage_range("draft")
         draft_logits, draft_hidden = self.dflash.draft(None)                   # [L, V], [L, H] after the bonus
         t = self._tick(stats, "draft", t)
         trees, nodes = self._static_tree(b, self.accept_dev[-1:], draft_logits, draft_hidden, self.h_last)
-        t = self._tick(stats, "tree", t)
-        out = self.runner.verify_tree(*nodes, self.start_dev)
-        readout = self._accept(trees, out, hold)
-        t = self._tick(stats, "verify", t)
-        self._commit(out)
-        return readout, self._tick(stats, "commit", t)
+        return self._verified(trees, nodes, hold, stats, self._tick(stats, "tree", t))
 
     def _finish_round(self, b, stats: DecodeStats, t: float):
-        """The builder's last (held) tree finished by its second phase, verified, accepted and committed."""
+        """The builder's last (held) tree finished by its second phase, then `_verified`."""
         trees = b.finish()
-        t = self._tick(stats, "tree", t)
-        out = self.runner.verify_tree(*self._nodes(trees), self.start_dev)
-        readout = self._accept(trees, out, False)
+        return self._verified(trees, self._nodes(trees), False, stats, self._tick(stats, "tree", t))
+
+    def _verified(self, trees, nodes, hold: bool, stats: DecodeStats, t: float):
+        """A built tree verified, accepted on the device and committed -> (its readout, the tick's time)."""
+        out = self.runner.verify_tree(*nodes, self.start_dev)
+        readout = self._accept(trees, out, hold)
         t = self._tick(stats, "verify", t)
         self._commit(out)
         return readout, self._tick(stats, "commit", t)
